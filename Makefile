@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv sysdeps clean
+
+venv: $(STAMP)
+
+# torch is installed first and exactly (the CPU build on this machine); the project's own range
+# then resolves to it and never pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p out
+	$(VENV)/bin/avatarstream generate --reference examples/reference.png --audio examples/speech.mp3 --out out/demo.mp4
+	@echo "wrote out/demo.mp4"
+
+# System packages the tests need (speech synthesis for the synthetic data domain).
+sysdeps:
+	@command -v espeak-ng >/dev/null 2>&1 && command -v flite >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q espeak-ng flite; }
+
+test: $(STAMP) sysdeps
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,3 @@
+"""avatarstream: streaming audio-driven avatar video generation."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,18 @@
+"""Benchmarks: `avatarstream bench NAME [--json]`. Each prints one JSON object on its last line.
+
+A benchmark is a module in this package exposing::
+
+    HELP: str
+    def add_arguments(parser: argparse.ArgumentParser) -> None
+    def run(args: argparse.Namespace) -> dict   # what it measured; JSON-serialisable
+
+Names and keys are stable once published.
+"""
+
+BENCHMARKS: dict[str, str] = {
+    "engine": "avatarstream.bench.engine",
+    "memory": "avatarstream.bench.memory",
+    "attention": "avatarstream.bench.attention",
+    "cache": "avatarstream.bench.cache",
+    "vae": "avatarstream.bench.vae",
+}

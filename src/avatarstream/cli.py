@@ -1,0 +1,235 @@
+"""Command line: entry points only. Library code never prints; this module does."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from avatarstream.errors import AvatarStreamError, ConfigError
+
+log = logging.getLogger("avatarstream")
+
+
+# -- generate ------------------------------------------------------------------------------------
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="reference + speech -> video of the person speaking (streamed to the file)")
+    p.add_argument("--reference", required=True, help="video (mp4/mov/webm/mkv) or image (png/jpg/webp)")
+    p.add_argument("--audio", required=True, help="speech: wav/mp3/flac/ogg/m4a, any rate, mono or stereo")
+    p.add_argument("--out", required=True, help="output .mp4 (fragmented: playable while it is written)")
+    p.add_argument("--model", default="tiny-random", help="model name (see `avatarstream models`)")
+    p.add_argument("--strategy", choices=["prefix", "interp"], default=None,
+                   help="chunk continuity strategy (default: the model's)")
+    p.add_argument("--seconds-per-chunk", type=float, default=None,
+                   help="chunk length in seconds of video (rounded to whole latent frames)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk")
+    p.add_argument("--sampler", choices=["euler", "stochastic"], default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt", default="", help="optional text/scene description")
+    p.add_argument("--hls", default=None, metavar="DIR", help="also publish a live HLS stream into DIR")
+    p.add_argument("--max-audio-seconds", type=float, default=3600.0,
+                   help="refuse audio longer than this (default 3600)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--events", action="store_true",
+                   help="print one JSON line per chunk on stderr (frames published and durable)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object last")
+    p.set_defaults(func=cmd_generate)
+
+
+def _configure(models, args) -> None:  # type: ignore[no-untyped-def]
+    c = models.config
+    if args.strategy is not None:
+        c.strategy = args.strategy
+    if args.seconds_per_chunk is not None:
+        if args.seconds_per_chunk <= 0:
+            raise ConfigError("--seconds-per-chunk must be positive")
+        c.chunk = max(c.overlap + 1, c.interp_anchor + 2, round(args.seconds_per_chunk * c.fps / 4))
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ConfigError("--steps must be at least 1")
+        c.steps = args.steps
+    if args.sampler is not None:
+        c.sampler = args.sampler
+    if args.seed is not None:
+        c.seed = args.seed
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from avatarstream.engine.pipeline import Pipeline
+    from avatarstream.media.audio import AudioReader
+    from avatarstream.media.reference import load_reference
+    from avatarstream.publish.file import FragmentedMP4Sink, check_writable
+    from avatarstream.registry import MODELS, available_models, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model not in MODELS:
+        raise ConfigError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
+    out = Path(args.out)
+    check_writable(out)
+    spec_cfg = MODELS[args.model].pipeline()
+    reference = load_reference(args.reference, size=spec_cfg.hr_size, max_frames=spec_cfg.ref_pixel_frames)
+    reader = AudioReader(args.audio, sample_rate=spec_cfg.sample_rate, max_seconds=args.max_audio_seconds)
+    models = load_model(args.model)
+    _configure(models, args)
+    cfg = models.config
+    pipeline = Pipeline(models)
+
+    sinks = [FragmentedMP4Sink(out)]
+    if args.hls:
+        from avatarstream.publish.hls import HLSSink
+
+        sinks.append(HLSSink(args.hls))
+    for s in sinks:
+        s.open(cfg.hr_size, cfg.hr_size, cfg.fps, cfg.sample_rate)
+
+    total_hint = None
+    if reader.duration_s:
+        total_hint = pipeline.clock.frames_for_samples(round(reader.duration_s * cfg.sample_rate))
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_hint, unit="frame", desc="generating", file=sys.stderr,
+                   dynamic_ncols=True, smoothing=0.1)
+
+    def progress(done: int, total: int | None, elapsed: float) -> None:
+        if bar is not None:
+            if total is not None and bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+            media = done / cfg.fps
+            bar.set_postfix(fps=f"{done / elapsed:.1f}", rtf=f"{elapsed / media:.2f}" if media else "-")
+        if args.events:
+            print(json.dumps({"event": "chunk", "frames_published": done,
+                              "durable_frames": sinks[0].durable_frames}), file=sys.stderr, flush=True)
+
+    ok = False
+    try:
+        summary = pipeline.run(reference.frames, iter(reader), sinks, prompt=args.prompt,
+                               max_audio_seconds=args.max_audio_seconds, progress=progress)
+        ok = True
+    finally:
+        if bar is not None:
+            bar.close()
+        for s in sinks:
+            if ok or s.durable_frames > 0:
+                s.close()
+            else:
+                s.abort()  # nothing useful written: leave no broken file behind
+    result = summary.as_dict()
+    result.update(model=args.model, strategy=cfg.strategy, out=str(out))
+    _print_summary(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _print_summary(r: dict) -> None:
+    ttff = "-" if r["ttff_s"] is None else f"{r['ttff_s']:.2f} s"
+    print(f"wrote {r['out']}: {r['frames']} frames ({r['duration_s']:.2f} s) in {r['wall_s']:.1f} s")
+    print(f"  time to first frame {ttff} | {r['fps']:.1f} fps | real-time factor {r['rtf']:.2f} "
+          f"| peak memory {r['peak_rss_mb']:.0f} MB")
+    stages = " | ".join(f"{k} {v:.0f} ms" for k, v in r["stage_ms"].items())
+    print(f"  per chunk: {stages} | reference {r['reference_ms']:.0f} ms once")
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from avatarstream.bench import BENCHMARKS
+
+    p = sub.add_parser("bench", help="benchmarks; each prints one JSON object on its last line")
+    bsub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, modname in BENCHMARKS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError as e:  # a benchmark whose module is missing is listed, not fatal
+            log.debug("benchmark %s unavailable: %s", name, e)
+            continue
+        bp = bsub.add_parser(name, help=mod.HELP)
+        bp.add_argument("--json", action="store_true", help="print only the JSON line")
+        mod.add_arguments(bp)
+        bp.set_defaults(func=cmd_bench, bench_module=mod)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    result = args.bench_module.run(args)
+    if not args.json:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    print(json.dumps(result))
+    return 0
+
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the models you can pass to --model")
+    p.set_defaults(func=cmd_models)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from avatarstream.registry import MODELS
+
+    for name, spec in sorted(MODELS.items()):
+        print(f"{name:16s} {spec.description}")
+    return 0
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    try:
+        from avatarstream.data import cli as data_cli
+    except ImportError as e:
+        log.debug("synth unavailable: %s", e)
+        return
+    p = sub.add_parser("synth", help="render synthetic talking-head clips with exact ground truth")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object last")
+    data_cli.add_arguments(p)
+    p.set_defaults(func=cmd_synth, synth_module=data_cli)
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    result = args.synth_module.run(args)
+    if not args.json:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    print(json.dumps(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="avatarstream", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    _add_models(sub)
+    _add_synth(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    try:
+        return int(args.func(args) or 0)
+    except AvatarStreamError as e:
+        print(f"avatarstream: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("avatarstream: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        log.debug("done in %.2f s", time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

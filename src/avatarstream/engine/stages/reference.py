@@ -1,0 +1,67 @@
+"""ReferenceStage: encode the reference once per request (context-level cache).
+
+Reference frames -> causal VAE latents at both resolutions -> per-layer reference K/V of the DiT
+and of the SR refiner (attention-level cache), with a validity mask that drops frames with no
+usable content; the text prompt -> text tokens. Nothing here runs again for later chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from avatarstream.engine.module import Module
+from avatarstream.engine.session import SessionState
+from avatarstream.errors import InputError
+
+
+def frame_validity(video: torch.Tensor, *, min_std: float = 0.02) -> torch.Tensor:
+    """[F] bool: a frame is usable if it is not (nearly) uniform. video [3, F, H, W] in [-1, 1].
+
+    A placeholder for a face detector (the eval package brings one): blank, black or frozen-
+    uniform frames are dropped from the reference keys instead of diluting them.
+    """
+    return video.flatten(2).std(dim=(0, 2)) > min_std  # [F]
+
+
+class ReferenceStage:
+    name = "reference"
+
+    def __init__(self, dit: Module, refiner: Module, vae: Module, text: Module, *,
+                 lr_size: int, temporal_stride: int = 4, ref_t_position: float = -8.0) -> None:
+        self.dit, self.refiner, self.vae, self.text = dit, refiner, vae, text
+        self.lr_size = lr_size
+        self.stride = temporal_stride
+        self.ref_t_position = ref_t_position
+        self.seconds = 0.0
+
+    def latent_validity(self, frame_valid: torch.Tensor) -> torch.Tensor:
+        """[T] bool: latent frame j is valid when all video frames it encodes are valid."""
+        s = self.stride
+        first = frame_valid[:1]
+        rest = frame_valid[1:].reshape(-1, s).all(dim=1) if frame_valid.numel() > 1 else first[:0]
+        return torch.cat([first, rest])
+
+    def run(self, state: SessionState, frames: torch.Tensor, prompt: str = "") -> None:
+        """frames: [F, 3, H, W] uint8 reference frames at the output (HR) resolution."""
+        import time
+
+        t0 = time.perf_counter()
+        usable = 1 + self.stride * ((frames.shape[0] - 1) // self.stride)  # 1 + 4k layout
+        video = frames[:usable].permute(1, 0, 2, 3).float() / 127.5 - 1.0  # [3, F, H, W]
+        valid_f = frame_validity(video)
+        valid = self.latent_validity(valid_f)  # [R]
+        if not bool(valid.any()):
+            raise InputError("the reference has no usable frame (all frames are blank); "
+                             "give a video or image that shows the person's face")
+        hr_video = video.unsqueeze(0)  # [1, 3, F, H, W]
+        lr_video = F.interpolate(hr_video, size=(usable, self.lr_size, self.lr_size),
+                                 mode="area")  # [1, 3, F, h, w]
+        hr_lat, _ = self.vae.call("encode", hr_video)  # [1, C, R, H/8, W/8] (means)
+        lr_lat, _ = self.vae.call("encode", lr_video)  # [1, C, R, h/8, w/8]
+        r = hr_lat.shape[2]
+        t_pos = torch.full((r,), self.ref_t_position)
+        state.dit_reference = self.dit.call("encode_reference", lr_lat, valid[None], t_pos)
+        state.refiner_reference = self.refiner.call("encode_reference", hr_lat, valid[None], t_pos)
+        state.text, state.text_mask = self.text.call("encode", [prompt])
+        self.seconds += time.perf_counter() - t0

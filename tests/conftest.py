@@ -1,0 +1,63 @@
+"""Shared fixtures: media files made on the fly (nothing binary committed for tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from avatarstream.bench.inputs import face_image, speechlike, write_png, write_wav
+
+
+def write_audio(path: Path, seconds: float, rate: int, channels: int, codec: str) -> Path:
+    """Speech-like audio encoded with `codec` (mp3, aac, flac, libvorbis) at `rate`/`channels`."""
+    x = speechlike(seconds, sample_rate=rate)
+    layout = "stereo" if channels == 2 else "mono"
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=rate)
+        s.layout = layout
+        pcm = np.stack([x] * channels).astype(np.float32)  # [channels, samples] planar float
+        frame = av.AudioFrame.from_ndarray(pcm, format="fltp", layout=layout)
+        frame.sample_rate = rate
+        for p in s.encode(frame):  # PyAV converts the format and re-frames to the codec's size
+            c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def write_video(path: Path, frames: int = 30, size: int = 96, fps: int = 25) -> Path:
+    img = face_image(size)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=fps)
+        s.width = s.height = size
+        s.pix_fmt = "yuv420p"
+        for i in range(frames):
+            f = np.roll(img, i, axis=1)
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+@pytest.fixture(scope="session")
+def media(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("media")
+    return {
+        "png": write_png(d / "ref.png", face_image(128)),
+        "mp4": write_video(d / "ref.mp4"),
+        "mp3_7s": write_audio(d / "speech.mp3", 7.0, 44100, 2, "mp3"),
+        "wav_3s": write_wav(d / "speech.wav", speechlike(3.0)),
+        "wav_60s": write_wav(d / "long.wav", speechlike(60.0)),
+        "dir": d,
+    }
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "avatarstream.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)

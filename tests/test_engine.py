@@ -1,0 +1,288 @@
+"""The chunk loop with mock models (our own logic only; real models are tested elsewhere).
+
+The mock DiT's clean prediction for a latent frame is the mean of its audio tokens; the mock
+refiner upsamples, the mock VAE repeats each latent into its video frames. So every published
+pixel tells which audio the engine paired it with: a frame shifted, duplicated or dropped at a
+chunk boundary changes the picture, and the test sees it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from avatarstream.engine.clock import MediaClock
+from avatarstream.engine.module import Module
+from avatarstream.engine.pipeline import ModelSet, Pipeline, PipelineConfig
+from avatarstream.engine.stage import ChunkRecord, Stage
+from avatarstream.engine.schedule import PrefixSchedule
+from avatarstream.engine.session import SessionState
+
+FPS, SR, W = 25, 16000, 1
+
+
+def feature(frame: np.ndarray | int) -> np.ndarray:
+    return 0.9 * np.sin(0.05 * np.asarray(frame, dtype=np.float64))
+
+
+class MockRef:
+    def __init__(self, frames: int) -> None:
+        self.frames = frames
+
+    def concat(self, other: "MockRef") -> "MockRef":
+        return MockRef(self.frames + other.frames)
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class MockDiT(nn.Module):
+    def __init__(self, latency: float = 0.0) -> None:
+        super().__init__()
+        self.latency = latency
+        self.ref_frames_seen: list[int] = []
+
+    def encode_reference(self, lat, valid, t_pos):  # noqa: ANN001
+        return MockRef(lat.shape[2])
+
+    def forward(self, x, sigma, cond, ref):  # noqa: ANN001
+        if self.latency:
+            time.sleep(self.latency)
+        self.ref_frames_seen.append(ref.frames)
+        x0 = cond.audio.mean(dim=(2, 3))[:, None, :, None, None].expand_as(x)  # [B, C, T, h, w]
+        s = sigma[:, None, :, None, None]
+        eps = (x - (1 - s) * x0) / s.clamp_min(1e-6)
+        return SimpleNamespace(velocity=eps - x0, motion_velocity=torch.zeros_like(cond.motion))
+
+
+class MockRefiner(nn.Module):
+    def encode_reference(self, lat, valid, t_pos):  # noqa: ANN001
+        return MockRef(lat.shape[2])
+
+    def refine(self, lr, noise, cond, ref, sigma):  # noqa: ANN001
+        return lr.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)
+
+
+class MockConvCache:
+    def __init__(self) -> None:
+        self.first = True
+
+    def nbytes(self) -> int:
+        return 8
+
+
+class MockVAE(nn.Module):
+    def encode(self, video):  # noqa: ANN001
+        b, c, f, h, w = video.shape
+        t = 1 + (f - 1) // 4
+        z = torch.zeros(b, 1, t, h // 8, w // 8)
+        return z, z
+
+    def new_cache(self) -> MockConvCache:
+        return MockConvCache()
+
+    def decode_step(self, z, cache):  # noqa: ANN001
+        reps = [1 if (cache.first and i == 0) else 4 for i in range(z.shape[2])]
+        cache.first = False
+        v = z.mean(dim=(1, 3, 4))  # [B, T]
+        frames = torch.cat([v[:, i : i + 1].repeat(1, r) for i, r in enumerate(reps)], dim=1)
+        return frames[:, None, :, None, None].expand(-1, 3, -1, 8, 8)  # [B, 3, F, 8, 8]
+
+
+class MockStream:
+    """Streaming features with a 2-frame look-ahead: feature(f) for video frame f."""
+
+    def __init__(self) -> None:
+        self.samples, self.ended = 0, False
+
+    def push(self, x: torch.Tensor) -> None:
+        self.samples += x.numel()
+
+    def end(self) -> None:
+        self.ended = True
+
+    def available_frames(self) -> int:
+        return 1 << 30 if self.ended else self.samples * FPS // SR - 2
+
+    def features(self, start: int, stop: int) -> torch.Tensor:
+        return torch.tensor(feature(np.arange(start, stop)), dtype=torch.float32)[None, :, None]
+
+
+class MockText(nn.Module):
+    def encode(self, prompts):  # noqa: ANN001
+        return torch.zeros(len(prompts), 1, 4), torch.ones(len(prompts), 1, dtype=torch.bool)
+
+
+class ListSink:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.video: list = []
+        self.audio_samples = 0
+        self.delay = delay
+        self.durable_frames = 0
+
+    def write_video(self, chunk) -> None:  # noqa: ANN001
+        if self.delay:
+            time.sleep(self.delay)
+        self.video.append(chunk)
+        self.durable_frames += chunk.frames.shape[0]
+
+    def write_audio(self, chunk) -> None:  # noqa: ANN001
+        self.audio_samples += chunk.samples.shape[0]
+
+
+def mock_models(strategy: str = "prefix", latency: float = 0.0, chunk: int = 5) -> ModelSet:
+    cfg = PipelineConfig(lr_size=32, hr_size=64, latent_channels=1, motion_dim=2, chunk=chunk,
+                         ref_frames=2, steps=3, strategy=strategy, audio_window=W)
+    return ModelSet(
+        name="mock", dit=Module("dit", MockDiT(latency)), refiner=Module("refiner", MockRefiner()),
+        vae=Module("vae", MockVAE()), audio=Module("audio", nn.Identity()),
+        text=Module("text", MockText()), config=cfg, make_audio_stream=MockStream)
+
+
+def reference() -> torch.Tensor:
+    return torch.randint(0, 255, (1, 3, 64, 64), dtype=torch.uint8)
+
+
+def audio_chunks(seconds: float, piece: int = 3200):
+    return iter(torch.zeros(int(round(seconds * SR))).split(piece))
+
+
+def expected_pixels(n_frames: int) -> np.ndarray:
+    """What the mock chain must show at every video frame: its latent's audio-token mean."""
+    clock = MediaClock()
+    out = []
+    p = 0
+    while len(out) < n_frames:
+        a, b = clock.video_span(p)
+        _, e = a, b
+        window = np.arange(e - 4 - W, e + W)
+        out.extend([feature(window).mean()] * (b - a))
+        p += 1
+    v = np.asarray(out[:n_frames])
+    return np.round((np.clip(v, -1, 1) + 1) * 127.5)
+
+
+@pytest.mark.parametrize("strategy", ["prefix", "interp"])
+@pytest.mark.parametrize("seconds", [0.05, 1.0, 3.37, 7.0])
+def test_frames_follow_audio_across_chunk_boundaries(strategy, seconds):
+    sink = ListSink()
+    summary = Pipeline(mock_models(strategy)).run(reference(), audio_chunks(seconds), [sink])
+    n = MediaClock().frames_for_samples(int(round(seconds * SR)))
+    starts = [c.start_frame for c in sink.video]
+    frames = np.concatenate([c.frames for c in sink.video])
+    assert summary.frames == n == frames.shape[0]
+    assert starts == list(np.cumsum([0] + [c.frames.shape[0] for c in sink.video[:-1]]))
+    got = frames[:, 0, 0, 0].astype(np.float64)
+    assert np.abs(got - expected_pixels(n)).max() <= 1.0  # uint8 rounding only
+    assert sink.audio_samples == int(round(seconds * SR))
+
+
+def test_prefix_appearance_anchor_joins_reference_after_first_chunk():
+    models = mock_models("prefix")
+    Pipeline(models).run(reference(), audio_chunks(3.0), [ListSink()])
+    seen = models.dit.model.ref_frames_seen
+    steps = models.config.steps
+    assert set(seen[:steps]) == {1} and set(seen[steps:]) == {2}
+
+
+def test_rolling_state_does_not_grow_with_duration():
+    sizes = {}
+    for seconds in (4.0, 40.0):
+        summary = Pipeline(mock_models("interp")).run(reference(), audio_chunks(seconds), [ListSink()])
+        sizes[seconds] = summary.rolling_state_bytes
+    assert sizes[4.0] == sizes[40.0] > 0
+
+
+def test_back_pressure_bounds_frames_in_flight():
+    generated = []
+    sink = ListSink(delay=0.03)
+    lags = []
+    orig = sink.write_video
+
+    def write(chunk):  # noqa: ANN001
+        lags.append(generated[-1] - chunk.start_frame if generated else 0)
+        orig(chunk)
+
+    sink.write_video = write
+    Pipeline(mock_models(chunk=3)).run(reference(), audio_chunks(6.0), [sink],
+                                       progress=lambda done, total, t: generated.append(done))
+    # The publisher queue holds at most 4 items (video or audio): generation may run ahead of the
+    # slow sink by a handful of chunks, never by the whole video.
+    assert max(lags) <= 6 * 12
+
+
+def test_pacing_against_media_clock():
+    t0 = time.perf_counter()
+    Pipeline(mock_models()).run(reference(), audio_chunks(1.6), [ListSink()], max_lead_s=0.2)
+    assert time.perf_counter() - t0 >= 1.6 - 0.2 - 0.5  # the first chunk arrives ahead of pacing
+
+
+def test_live_source_publishes_before_audio_ends():
+    """Audio arriving in real time: frames are published while speech is still coming in."""
+    first_frame_at, audio_done_at = [], []
+    sink = ListSink()
+    orig = sink.write_video
+    sink.write_video = lambda c: (first_frame_at.append(time.perf_counter()), orig(c))
+
+    def live():
+        for piece in torch.zeros(int(2.0 * SR)).split(1600):  # 0.1 s pieces every 0.05 s
+            time.sleep(0.05)
+            yield piece
+        audio_done_at.append(time.perf_counter())
+
+    Pipeline(mock_models(chunk=3)).run(reference(), live(), [sink])
+    assert first_frame_at[0] < audio_done_at[0] - 0.3
+
+
+def test_stage_contract_is_checked():
+    class Broken(Stage):
+        name = "broken"
+        reads = ("lr_latents",)
+
+        def run(self, rec, state):  # noqa: ANN001
+            pass
+
+    plan = PrefixSchedule(chunk=4).next_chunk(None)
+    with pytest.raises(RuntimeError, match="broken.*lr_latents"):
+        Broken()(ChunkRecord(plan), SessionState())
+
+    class Liar(Stage):
+        name = "liar"
+        writes = ("audio",)
+
+        def run(self, rec, state):  # noqa: ANN001
+            pass
+
+    with pytest.raises(RuntimeError, match="liar.*audio"):
+        Liar()(ChunkRecord(plan), SessionState())
+
+
+def test_empty_audio_is_a_user_error():
+    from avatarstream.errors import InputError
+
+    with pytest.raises(InputError, match="empty"):
+        Pipeline(mock_models()).run(reference(), iter([]), [ListSink()])
+
+
+def test_module_offload_roundtrip():
+    lin = nn.Linear(4, 4)
+    mod = Module("lin", lin)
+    x = torch.randn(2, 4)
+    y0 = mod.call("forward", x)
+    mod.offload()
+    assert not mod.on_device
+    y1 = mod.call("forward", x)  # onloads on demand
+    assert mod.on_device and torch.equal(y0, y1)
+    assert mod.calls == 2 and mod.forward_seconds > 0
+
+
+def test_threads_do_not_leak():
+    before = threading.active_count()
+    Pipeline(mock_models()).run(reference(), audio_chunks(1.0), [ListSink()])
+    assert threading.active_count() == before
