@@ -155,8 +155,9 @@ class Pipeline:
         state = SessionState()
         publisher = Publisher(sinks)
         try:
-            ReferenceStage(m.dit, m.refiner, m.vae, m.text, lr_size=c.lr_size,
-                           ref_t_position=c.ref_t_position).run(state, reference, prompt)
+            with torch.inference_mode():
+                ReferenceStage(m.dit, m.refiner, m.vae, m.text, lr_size=c.lr_size,
+                               ref_t_position=c.ref_t_position).run(state, reference, prompt)
             t_ref = time.perf_counter()
             for mod in m.modules():
                 mod.reset_stats()

@@ -52,7 +52,8 @@ class Stage:
             if getattr(rec, f) is None:
                 raise RuntimeError(f"stage {self.name!r} reads {f!r}, which no earlier stage wrote")
         t0 = time.perf_counter()
-        self.run(rec, state)
+        with torch.inference_mode():  # the engine never needs autograd; in-place edits are safe
+            self.run(rec, state)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         for f in self.writes:
