@@ -11,7 +11,13 @@ import torch
 from avatarstream.cache.conv import ConvCache
 from avatarstream.models.vae import CausalVAE, VAEConfig
 
-CONFIGS = {"tiny": VAEConfig.tiny, "small": VAEConfig.small}
+CONFIGS = {
+    "tiny": VAEConfig.tiny,
+    "small": VAEConfig.small,
+    # no pixel patch: 4 levels, the first resampler spatial only (the Wan 2.1 layout)
+    "flat": lambda: VAEConfig(z_channels=4, channels=(8, 8, 16, 16), res_blocks=(1, 1, 1, 1),
+                              temporal_down=(False, True, True), patch_size=1),
+}
 
 
 def make(name: str = "tiny", seed: int = 0) -> CausalVAE:
@@ -28,7 +34,7 @@ def video(frames: int, size: int = 16, seed: int = 2) -> torch.Tensor:
     return torch.rand(1, 3, frames, size, size, generator=g) * 2 - 1
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["tiny", "small", "flat"])
 def test_shapes(name):
     vae = make(name)
     with torch.inference_mode():
@@ -43,7 +49,7 @@ def test_shapes(name):
 
 
 @pytest.mark.parametrize("name,sizes", [("tiny", [1, 2, 3, 1, 2]), ("tiny", [3, 1, 4, 1]),
-                                        ("small", [1, 2, 3, 1, 2])])
+                                        ("small", [1, 2, 3, 1, 2]), ("flat", [2, 1, 3])])
 def test_streaming_decode_equals_whole(name, sizes):
     vae = make(name)
     z = latents(vae, sum(sizes))
@@ -62,7 +68,7 @@ def test_streaming_decode_equals_whole(name, sizes):
     assert whole.std() > 0.05  # not a constant output
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["tiny", "small", "flat"])
 def test_streaming_encode_equals_whole(name):
     vae = make(name)
     frames = [5, 4, 8, 4]  # 1+4k first, then 4k
@@ -100,8 +106,9 @@ def test_cache_bounded():
     assert len(set(sizes)) == 1, sizes  # constant: does not grow with the number of chunks
 
 
-def test_decode_causal():
-    vae = make("tiny")
+@pytest.mark.parametrize("name", ["tiny", "flat"])
+def test_decode_causal(name):
+    vae = make(name)
     z = latents(vae, 5)
     z2 = z.clone()
     j = 3  # change latent frame 3: video frames >= 4j-3 = 9 may change, frames < 9 must not
@@ -112,8 +119,9 @@ def test_decode_causal():
     assert (a[:, :, 4 * j - 3:] - b[:, :, 4 * j - 3:]).abs().max() > 1e-3
 
 
-def test_encode_causal():
-    vae = make("tiny")
+@pytest.mark.parametrize("name", ["tiny", "flat"])
+def test_encode_causal(name):
+    vae = make(name)
     v = video(13)
     v2 = v.clone()
     f = 6  # video frame 6 belongs to latent frame ceil(6/4) = 2: latents 0, 1 must not change
@@ -131,6 +139,7 @@ def test_init_random_deterministic():
     assert any(not torch.equal(sa[k], sc[k]) for k in sa)
     names = set(sa)
     for prefix in ("encoder.conv_in.", "encoder.down_blocks.0.resnets.0.conv1.",
+                   "encoder.down_blocks.0.downsampler.time_conv.",
                    "encoder.mid_block.attentions.0.", "encoder.head.conv.", "quant_conv.",
                    "post_quant_conv.", "decoder.up_blocks.0.upsampler.time_conv.",
                    "decoder.head.conv."):

@@ -83,7 +83,7 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> M
     if bf16 is None:
         bf16 = name != "tiny-random"
     ac = torch.bfloat16 if bf16 else None
-    mods = {k: Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner") else None)
+    mods = {k: Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner", "vae") else None)
             for k, v in nets.items()}
     if spec.weights is not None:
         for k, mod in mods.items():

@@ -3,8 +3,9 @@
 `--seconds` of video (default 60 s at 25 fps: 1+4k ≈ 1501 frames ↔ 376 latent frames) of random
 latents, decoded by the tiny VAE (`VAEConfig.tiny()`, random weights) at 64×64. The tiny config
 at 64×64 is what keeps the *whole-sequence* decode, which holds every activation of all 1501
-frames at once (≈ 0.4 GB per 16-channel full-resolution activation), inside this machine's memory;
-the streaming path does not need that and is what the engine uses.
+frames at once (≈ 0.1 GB per 16-channel activation at 32×32, the top level after the 2×2 pixel
+patch; ≈ 0.6 GB peak in all), inside this machine's memory; the streaming path does not need that
+and is what the engine uses.
 
 Three measurements, each in its own fresh subprocess (`python -m avatarstream.bench.vae
 --worker MODE`) so that no allocator state is shared:
@@ -25,14 +26,15 @@ costs no more memory than one chunk). `max_abs_diff` compares the two written fi
 (whole vs stream; fp32, target ≤ 1e-4).
 
 Allocator (`--malloc`): with glibc's default *dynamic* mmap threshold, every freed large block
-raises the threshold (up to 32 MiB), after which a chunk's activations (≈ 8 MiB each here) come
-from the brk heap, which keeps freed memory resident and fragments: RSS then plateaus at ≈ 2-3×
-one chunk's peak after the first chunks (bounded, not growing with the number of chunks, but
-not what the tensors need). `--malloc pinned` (default) runs the workers with
-`MALLOC_MMAP_THRESHOLD_=1048576`, which pins the threshold so large tensors are mmap'd and given
-back on free: RSS then tracks the live tensors, which is what this benchmark is about. A serving
-process should run with the same setting (or jemalloc/tcmalloc); `--malloc default` measures
-glibc as is.
+raises the threshold (up to 32 MiB), after which a chunk's activations (≈ 2 MiB each here) come
+from the brk heap, which keeps freed memory resident and fragments: RSS then plateaus above one
+chunk's peak after the first chunks (bounded, not growing with the number of chunks; measured
+60 s: stream 32 MB vs chunk 23 MB, ratio ≈ 1.4). `--malloc pinned` (default) runs the workers
+with `MALLOC_MMAP_THRESHOLD_=1048576`, which pins the threshold so large tensors are mmap'd and
+given back on free: RSS then tracks the live tensors (measured 60 s: 16 MB vs 18 MB, ratio ≈
+0.92), at the price of page faults (streaming fps ≈ 2× lower at this tiny size). A serving
+process that wants the tight bound should run with the same setting (or jemalloc/tcmalloc);
+`--malloc default` measures glibc as is.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pinned: workers run with MALLOC_MMAP_THRESHOLD_=1 MiB (see module "
                              "docstring); default: glibc's dynamic threshold")
     parser.add_argument("--quick", action="store_true",
-                        help="2 s of video instead of --seconds (smoke test)")
+                        help="2 s of video instead of --seconds, the three workers run "
+                             "concurrently (smoke test: memory numbers valid, fps not)")
 
 
 def latent_frames(seconds: float, fps: int = FPS) -> int:
@@ -142,9 +145,9 @@ def _worker(mode: str, latents: int, chunk: int, seed: int, out: str | None) -> 
 MMAP_THRESHOLD = 1 << 20  # bytes; glibc allocations above this are mmap'd and returned on free
 
 
-def _measure(mode: str, latents: int, chunk: int, seed: int, out: Path | None,
-             malloc: str) -> dict:
-    """Run one worker in a fresh process and return its JSON line."""
+def _start(mode: str, latents: int, chunk: int, seed: int, out: Path | None,
+           malloc: str) -> subprocess.Popen:
+    """Start one worker in a fresh process."""
     cmd = [sys.executable, "-m", "avatarstream.bench.vae", "--worker", mode,
            "--latents", str(latents), "--chunk", str(chunk), "--seed", str(seed)]
     if out is not None:
@@ -152,10 +155,15 @@ def _measure(mode: str, latents: int, chunk: int, seed: int, out: Path | None,
     env = dict(os.environ)
     if malloc == "pinned":
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(mode: str, proc: subprocess.Popen) -> dict:
+    """Wait for a worker and return its JSON line."""
+    stdout, stderr = proc.communicate()
     if proc.returncode != 0:
-        raise RuntimeError(f"bench vae worker {mode} failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"bench vae worker {mode} failed: {stderr[-2000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _max_abs_diff(a: Path, b: Path, frame_floats: int) -> float:
@@ -175,10 +183,16 @@ def run(args: argparse.Namespace) -> dict:
     frames = 1 + 4 * (latents - 1)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        whole = _measure("whole", latents, args.chunk, args.seed, tmp / "whole.f32", args.malloc)
-        stream = _measure("stream", latents, args.chunk, args.seed, tmp / "stream.f32",
-                          args.malloc)
-        chunk = _measure("chunk", latents, args.chunk, args.seed, None, args.malloc)
+        jobs = [("whole", tmp / "whole.f32"), ("stream", tmp / "stream.f32"), ("chunk", None)]
+        res: dict[str, dict] = {}
+        if args.quick:  # concurrent: peak RSS is per process; only the fps numbers share CPUs
+            procs = [(m, _start(m, latents, args.chunk, args.seed, o, args.malloc))
+                     for m, o in jobs]
+            res = {m: _finish(m, p) for m, p in procs}
+        else:
+            for m, o in jobs:
+                res[m] = _finish(m, _start(m, latents, args.chunk, args.seed, o, args.malloc))
+        whole, stream, chunk = res["whole"], res["stream"], res["chunk"]
         diff = _max_abs_diff(tmp / "whole.f32", tmp / "stream.f32", 3 * SIZE * SIZE)
     mb = 1024.0
     return {

@@ -96,9 +96,11 @@ class VAEConfig:
 
     @staticmethod
     def tiny() -> "VAEConfig":
-        """z = 4, no pixel patch, widths 16/16/32/32 at 1, 1/2, 1/4, 1/8 resolution, one resnet per
-        level: for 64×64 test video. Decode cost ≈ 0.21 GFLOP per output frame at 64×64."""
-        return VAEConfig(z_channels=4, channels=(16, 16, 32, 32), res_blocks=(1, 1, 1, 1))
+        """z = 4, pixel patch 2, widths 16/16/32 at 1/2, 1/4, 1/8 resolution, one resnet per
+        level: for 64×64 test video. Decode cost ≈ 0.055 GFLOP per output frame at 64×64
+        (the same widths without the patch, (16, 16, 32, 32) over 4 levels: ≈ 0.21 GFLOP)."""
+        return VAEConfig(z_channels=4, channels=(16, 16, 32), res_blocks=(1, 1, 1),
+                         temporal_down=(True, True), patch_size=2)
 
     @staticmethod
     def small() -> "VAEConfig":
@@ -107,8 +109,9 @@ class VAEConfig:
 
         Decode cost at 256×256 (latent 32×32): ≈ 1.1 GFLOP per output frame (convolution and
         attention multiply-adds ×2, `decode_flops_per_frame`), ≈ 28 GFLOP/s at 25 fps. Measured
-        on a shared 2-core AVX512 CPU: ≈ 50 fps fp32, ≈ 120 fps under bf16 autocast, i.e. decoding
-        at 25 fps takes ≈ 50 % (fp32) / ≈ 20 % (bf16) of the two cores. For scale: without the
+        on a shared 2-core AVX512 CPU (chunks of 8 latent frames): ≈ 65 fps fp32, ≈ 115 fps under
+        bf16 autocast, i.e. decoding at 25 fps takes ≈ 40 % (fp32) / ≈ 20 % (bf16) of the two
+        cores. For scale: without the
         patch, widths 32/64/64/128 cost ≈ 21.6 GFLOP per frame (≈ 540 GFLOP/s at 25 fps), several
         times what the whole CPU delivers; thin full-resolution convolutions are memory-bound on
         a CPU, which is why the patch (no convolution at full resolution) matters more than the
@@ -119,6 +122,25 @@ class VAEConfig:
 
 
 # -- layers -----------------------------------------------------------------------------------------
+def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           stride: tuple[int, int, int], padding: tuple[int, int, int]) -> torch.Tensor:
+    """F.conv3d, forcing oneDNN for fp32 CPU inference.
+
+    PyTorch's CPU backend picks the im2col path (`slow_conv3d`) for batch-1 inputs whose
+    N·C·T·H ≤ 20480 — exactly the size of a streaming chunk — which is ≈ 10× slower here and
+    allocates a Cin·k³·T·H·W column buffer (≈ 60 MB for 16 channels, 35 frames at 32×32) that
+    would dominate a chunk's peak memory. Results agree with F.conv3d to float rounding.
+    Under autocast, with gradients, or off the CPU: plain F.conv3d.
+    """
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and not torch.is_autocast_enabled("cpu")
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return torch.mkldnn_convolution(x.contiguous(), weight, bias, padding, stride,
+                                        (1, 1, 1), 1)
+    return F.conv3d(x, weight, bias, stride, padding)
+
+
 class CausalConv3d(nn.Conv3d):
     """Conv3d, causal in time: zero left padding of k_t - 1 frames (no right padding), symmetric
     spatial padding. x [B, Cin, T, H, W] -> [B, Cout, T, H', W'].
@@ -144,7 +166,7 @@ class CausalConv3d(nn.Conv3d):
                     prev = x.new_zeros(b, c, kt - 1, h, w)
                 x = torch.cat([prev.to(x.dtype), x], dim=2)
                 cache.put(self.cache_key, x[:, :, -(kt - 1):])
-        return super().forward(x)
+        return conv3d(x, self.weight, self.bias, self.stride, self.padding)
 
 
 class RMSNorm(nn.Module):
@@ -256,7 +278,9 @@ class Downsample(nn.Module):
             xin = torch.cat([prev.to(x.dtype), x], dim=2)
         if cache is not None:
             cache.put(self.cache_key, x[:, :, -1:])
-        y = self.time_conv(xin) if xin.shape[2] >= 3 else xin[:, :, :0]
+        tc = self.time_conv
+        y = (conv3d(xin, tc.weight, tc.bias, tc.stride, tc.padding) if xin.shape[2] >= 3
+             else xin[:, :, :0])
         return torch.cat([x[:, :, :1], y], dim=2) if first else y
 
 
