@@ -106,6 +106,18 @@ class RunSummary:
 
 
 def peak_rss_mb() -> float:
+    """Peak resident memory of this process (MB): VmHWM of its own address space.
+
+    Not `ru_maxrss`: Linux carries that across fork + exec, so a process started by a parent that
+    was large at the time reports the parent's peak (seen: a 600 s run "peaking" at 830 MB because
+    the benchmark had just synthesised its audio; its own high-water mark was 294 MB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
