@@ -171,3 +171,37 @@ def test_voice_catalogue_covers_languages_and_engines():
     langs = {v.language for v in VOICES}
     assert {"en", "de", "fr", "es", "it"} <= langs
     assert {v.engine for v in VOICES} == {"flite", "espeak"}
+
+
+def test_render_many_equals_render_frame_by_frame():
+    """The batched path (warp lattice over 8-frame chunks) is an optimisation: same bytes as one at a time."""
+    from avatarstream.data import AvatarRenderer, Identity, Scene
+
+    r = AvatarRenderer(Identity.from_seed(7), Scene.from_seed(8), 64)
+    states = [FaceState(open=0.1 * i, yaw=i - 4.0, roll=0.5 * i, blink=i / 9, gaze_x=0.1 * i) for i in range(10)]
+    many = r.render_many(states)
+    assert many.shape == (10, 64, 64, 3)
+    for st, frame in zip(states, many):
+        assert np.array_equal(r.render(st), frame)
+
+
+def test_clip_durations_and_cross_scene_pairs():
+    specs = clip_specs(DatasetConfig(identities=2, clips_per_identity=3, seconds=1.3, seed=4, size=64))
+    assert [s.identity for s in specs] == [specs[0].identity] * 3 + [specs[3].identity] * 3
+    assert len({s.scene for s in specs[:3]}) == 3  # each clip of a person in its own scene
+    assert len({s.voice for s in specs[:3]}) == 1  # one person, one voice
+    c = Clip(specs[0], SYNTH)
+    assert len(c.audio) == c.spec.frames * 640 and c.spec.frames == 32  # video and audio end together
+    assert c.phones[0].start == 0 and abs(c.phones[-1].end - 32 / 25) < 1e-6
+    assert all(a.end == pytest.approx(b.start) for a, b in zip(c.phones, c.phones[1:]))
+
+
+def test_bench_synth_quick():
+    import argparse
+
+    from avatarstream.bench import synth
+
+    p = argparse.ArgumentParser()
+    synth.add_arguments(p)
+    r = synth.run(p.parse_args(["--clips", "1", "--seconds", "1", "--size", "64"]))
+    assert r["clips"] == 1 and r["seconds"] == 1.0 and r["x_realtime_per_core"] > 0 and r["render_fps"] > 0

@@ -156,15 +156,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         bp = bsub.add_parser(name, help=mod.HELP)
         bp.add_argument("--json", action="store_true", help="print only the JSON line")
         mod.add_arguments(bp)
-        bp.set_defaults(func=cmd_bench, bench_module=mod)
+        bp.set_defaults(func=cmd_module, cmd_module=mod)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    result = args.bench_module.run(args)
+def cmd_module(args: argparse.Namespace) -> int:
+    """Run a subcommand module's `run(args)` and print its summary (`--json`: one JSON object last)."""
+    result = args.cmd_module.run(args)
     if not args.json:
         for k, v in result.items():
-            print(f"{k}: {v}")
-    print(json.dumps(result))
+            if k not in ("cases", "drift"):
+                print(f"{k}: {v}")
+    print(json.dumps(result, default=float))
     return 0
 
 
@@ -181,25 +183,29 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_synth(sub: argparse._SubParsersAction) -> None:
-    try:
-        from avatarstream.data import cli as data_cli
-    except ImportError as e:
-        log.debug("synth unavailable: %s", e)
-        return
-    p = sub.add_parser("synth", help="render synthetic talking-head clips with exact ground truth")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object last")
-    data_cli.add_arguments(p)
-    p.set_defaults(func=cmd_synth, synth_module=data_cli)
+# subcommands whose module exposes add_arguments(parser) and run(args) -> summary dict
+SUBCOMMANDS = {
+    "synth": ("avatarstream.data.cli", "render synthetic talking-head clips with exact ground truth", None),
+    "train": ("avatarstream.train.cli", "train a recipe, pre-encode training data, export weights", "USAGE"),
+    "eval": ("avatarstream.eval.cli", "score a video (Sync-C/D, FaceSim, style, silence, seams, PSNR) "
+             "or benchmark a model on held-out synthetic cases", None),
+}
 
 
-def cmd_synth(args: argparse.Namespace) -> int:
-    result = args.synth_module.run(args)
-    if not args.json:
-        for k, v in result.items():
-            print(f"{k}: {v}")
-    print(json.dumps(result))
-    return 0
+def _add_module_commands(sub: argparse._SubParsersAction) -> None:
+    for name, (modname, help_, usage_attr) in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError as e:
+            log.debug("%s unavailable: %s", name, e)
+            continue
+        extra = {}
+        if usage_attr:
+            extra = {"description": getattr(mod, usage_attr), "formatter_class": argparse.RawDescriptionHelpFormatter}
+        p = sub.add_parser(name, help=help_, **extra)
+        p.add_argument("--json", action="store_true", help="print the summary as one JSON object last")
+        mod.add_arguments(p)
+        p.set_defaults(func=cmd_module, cmd_module=mod)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_models(sub)
-    _add_synth(sub)
+    _add_module_commands(sub)
     return parser
 
 

@@ -15,4 +15,5 @@ BENCHMARKS: dict[str, str] = {
     "attention": "avatarstream.bench.attention",
     "cache": "avatarstream.bench.cache",
     "vae": "avatarstream.bench.vae",
+    "synth": "avatarstream.bench.synth",
 }

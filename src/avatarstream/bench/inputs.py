@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from avatarstream.media.image import write_png  # noqa: F401  (re-exported for tests and benchmarks)
+
 
 def face_image(size: int = 256, seed: int = 0) -> np.ndarray:
     """[size, size, 3] uint8: a shaded oval face with eyes and a mouth on a gradient background."""
@@ -56,18 +58,4 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int = 16000, c
         w.setsampwidth(2)
         w.setframerate(sample_rate)
         w.writeframes(pcm.tobytes())
-    return path
-
-
-def write_png(path: str | Path, image: np.ndarray) -> Path:
-    import av
-
-    path = Path(path)
-    with av.open(str(path), "w") as c:
-        s = c.add_stream("png", rate=1)
-        s.width, s.height, s.pix_fmt = image.shape[1], image.shape[0], "rgb24"
-        for p in s.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-            c.mux(p)
-        for p in s.encode():
-            c.mux(p)
     return path

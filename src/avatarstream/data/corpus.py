@@ -1,0 +1,130 @@
+"""Built-in sentences for synthetic speech: short everyday sentences (4-12 words) in each language
+of the voice catalogue (`avatarstream.data.speech.VOICES`), written for this project."""
+
+from __future__ import annotations
+
+from avatarstream.errors import InputError
+
+SENTENCES: dict[str, tuple[str, ...]] = {
+    "en": (
+        "The farmer sold potatoes at the market.",
+        "Could you pass me the salt, please?",
+        "We missed the last bus home.",
+        "My sister bakes bread every Sunday morning.",
+        "The meeting starts at nine, so don't be late.",
+        "I left my umbrella on the train.",
+        "Open the window, it is getting warm in here.",
+        "The children played football until it got dark.",
+        "Turn left after the bridge and park near the bakery.",
+        "She reads a chapter before she falls asleep.",
+        "Our neighbours painted their front door bright yellow.",
+        "Thank you for waiting.",
+        "The soup needs a little more pepper.",
+        "Would you like to come with us to the beach on Saturday?",
+    ),
+    "de": (
+        "Ich trinke morgens gern einen starken Kaffee.",
+        "Der Zug nach Hamburg hat leider Verspätung.",
+        "Kannst du mir bitte das Brot geben?",
+        "Wir gehen am Wochenende im Wald spazieren.",
+        "Meine Großmutter erzählt die schönsten Geschichten.",
+        "Das Fenster in der Küche ist offen.",
+        "Heute Abend kochen wir Suppe mit frischem Gemüse.",
+        "Vergiss deinen Schlüssel nicht, wenn du gehst.",
+        "Die Kinder spielen im Garten mit dem Hund.",
+        "Ich habe gestern ein spannendes Buch gelesen.",
+        "Vielen Dank für die schnelle Antwort.",
+        "Im Sommer fahren wir oft mit dem Fahrrad an den See.",
+        "Der Bäcker an der Ecke öffnet um sechs.",
+        "Wie spät ist es eigentlich?",
+    ),
+    "fr": (
+        "Nous avons mangé une soupe délicieuse.",
+        "Le train pour Lyon part dans dix minutes.",
+        "Peux-tu fermer la porte, s'il te plaît ?",
+        "Ma voisine promène son chien tous les matins.",
+        "Il fait beau aujourd'hui, allons au parc.",
+        "J'ai oublié mes clés au bureau.",
+        "Les enfants jouent dans le jardin après l'école.",
+        "Nous prenons le petit déjeuner sur la terrasse.",
+        "Merci beaucoup pour votre aide.",
+        "La boulangerie ferme à sept heures le dimanche.",
+        "Mon frère apprend à jouer de la guitare.",
+        "Est-ce que tu veux venir au cinéma avec nous ce soir ?",
+        "Le marché est plein de fruits et de légumes.",
+        "Elle lit un roman pendant le voyage.",
+    ),
+    "es": (
+        "Hoy hace mucho calor en la ciudad.",
+        "¿Me puedes pasar el agua, por favor?",
+        "Mi abuela prepara una tortilla deliciosa.",
+        "El autobús llega siempre con retraso.",
+        "Los niños juegan en el parque después del colegio.",
+        "Vamos a la playa el próximo fin de semana.",
+        "He perdido las llaves de mi casa.",
+        "Muchas gracias por tu ayuda.",
+        "La tienda de la esquina abre a las ocho.",
+        "Mi hermano estudia medicina en Madrid.",
+        "Esta noche cenamos pescado con verduras.",
+        "¿Sabes dónde está la estación de tren?",
+        "Me gusta leer un libro antes de dormir.",
+        "El perro del vecino ladra toda la noche.",
+    ),
+    "it": (
+        "Oggi il cielo è sereno e fa caldo.",
+        "Mi passi il pane, per favore?",
+        "Il treno per Roma parte alle otto.",
+        "Mia nonna prepara la pasta fatta in casa.",
+        "I bambini giocano a calcio nel cortile.",
+        "Ho dimenticato l'ombrello in ufficio ieri.",
+        "Andiamo al mare questo fine settimana.",
+        "Grazie mille per il tuo aiuto.",
+        "Il negozio all'angolo chiude alle sette.",
+        "Mio fratello suona la chitarra ogni sera.",
+        "Stasera mangiamo una pizza con gli amici.",
+        "Sai dov'è la fermata dell'autobus?",
+        "Prima di dormire leggo sempre qualche pagina.",
+        "Il gatto dorme tutto il giorno sul divano.",
+    ),
+    "pt": (
+        "Hoje está um dia muito bonito.",
+        "Pode passar o sal, por favor?",
+        "A minha avó faz um bolo delicioso.",
+        "O voo chegou atrasado outra vez.",
+        "As crianças brincam no parque depois da escola.",
+        "Vamos à praia no próximo fim de semana.",
+        "Perdi as chaves de casa ontem à noite.",
+        "Muito obrigado pela sua ajuda.",
+        "A padaria abre às sete da manhã.",
+        "O meu irmão estuda medicina em Lisboa.",
+        "Esta noite vamos jantar peixe com legumes.",
+        "Sabe onde fica a estação?",
+        "Gosto de ler um livro antes de dormir.",
+        "O cão do vizinho ladra a noite toda.",
+    ),
+    "nl": (
+        "Vandaag is het mooi weer in de stad.",
+        "Kun je mij het zout even geven?",
+        "Mijn oma bakt elke zondag een appeltaart.",
+        "De trein naar Utrecht heeft vertraging.",
+        "De kinderen spelen na school in het park.",
+        "We gaan dit weekend naar het strand.",
+        "Ik ben mijn sleutels kwijt.",
+        "Hartelijk bedankt voor je hulp.",
+        "De bakker op de hoek gaat om zeven uur open.",
+        "Mijn broer studeert geneeskunde in Amsterdam.",
+        "Vanavond eten we vis met groenten.",
+        "Weet jij waar het station is?",
+        "Ik lees altijd een boek voor het slapengaan.",
+        "De hond van de buren blaft de hele nacht.",
+    ),
+}
+
+
+def sentences_for(language: str) -> tuple[str, ...]:
+    """The built-in sentences of `language` ("en", "de", ...); InputError if there are none."""
+    try:
+        return SENTENCES[language]
+    except KeyError:
+        raise InputError(f"no built-in sentences for language {language!r}; "
+                         f"choose one of {', '.join(SENTENCES)}") from None

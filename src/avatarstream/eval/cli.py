@@ -1,0 +1,146 @@
+"""`avatarstream eval`: arguments and run() (the top-level CLI prints the returned summary).
+
+    avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--out DIR] --json
+    avatarstream eval benchmark --model NAME --split heldout-identity|heldout-voice [--seconds S] [--clips N] [--seed X] [--out DIR] --json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from avatarstream.errors import InputError
+
+USAGE = """avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--out DIR] [--json]
+       avatarstream eval benchmark --model NAME --split {heldout-identity,heldout-voice} [--seconds S] [--clips N] [--seed X] [--out DIR] [--json]"""
+
+STABLE_KEYS = ("sync_c", "sync_d", "offset_frames", "face_sim", "style_error", "silence_mouth_closed",
+               "boundary_smoothness", "psnr", "fps", "ttff_s", "model", "split", "seed", "clips")
+_VIDEO_ONLY = ("reference", "audio", "ground_truth", "chunk_frames")
+_BENCH_ONLY = ("model", "split", "seconds", "clips", "seed")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of `avatarstream eval` (both forms share one parser; run() checks which apply)."""
+    p.usage = USAGE
+    p.add_argument("video", metavar="VIDEO|benchmark", help="video to score, or `benchmark`")
+    g = p.add_argument_group("scoring a video")
+    g.add_argument("--reference", help="reference image or video of the person (FaceSim, style)")
+    g.add_argument("--audio", help="the driving speech (default: the video's own audio track)")
+    g.add_argument("--ground-truth", help="ground-truth video for PSNR/SSIM")
+    g.add_argument("--chunk-frames", type=int, help="chunk length in frames, for boundary smoothness")
+    b = p.add_argument_group("benchmark")
+    b.add_argument("--model", help="registry model, or the baselines ground-truth / static-frame")
+    b.add_argument("--split", choices=["heldout-identity", "heldout-voice"])
+    b.add_argument("--seconds", type=float, help="seconds per clip (default 10)")
+    b.add_argument("--clips", type=int, help="number of cases (default 3)")
+    b.add_argument("--seed", type=int, help="draws identities, voices, scenes, sentences (default 0)")
+    p.add_argument("--out", help="report folder (default VIDEO.eval/ or eval-MODEL-SPLIT-sSEED/)")
+    p.add_argument("--experts", help="folder with expert .safetensors (default: the bundled ones)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _used(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None]
+
+
+def _read_video(path: str) -> np.ndarray:
+    """[F, H, W, 3] uint8 at 25 fps (other rates resampled to the nearest frame)."""
+    import av
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"video {p} not found")
+    try:
+        with av.open(str(p)) as c:
+            if not c.streams.video:
+                raise InputError(f"{p} has no video stream")
+            s = c.streams.video[0]
+            rate = float(s.average_rate) if s.average_rate else 25.0
+            frames = [f.to_ndarray(format="rgb24") for f in c.decode(s)]
+    except av.FFmpegError as e:
+        raise InputError(f"{p} is not a readable video ({e})") from e
+    if not frames:
+        raise InputError(f"{p} has no decodable frame")
+    x = np.stack(frames)
+    if abs(rate - 25.0) > 0.01:
+        idx = np.round(np.arange(0, len(x) / rate, 1 / 25.0) * rate).astype(int).clip(0, len(x) - 1)
+        x = x[idx]
+    return x
+
+
+def run_video(args: argparse.Namespace) -> dict[str, Any]:
+    """Score one video file."""
+    from avatarstream.eval.experts import load_experts
+    from avatarstream.eval.metrics import evaluate
+    from avatarstream.eval.report import frame_strip, plot_case, write_report
+    from avatarstream.media.audio import read_all
+    from avatarstream.media.reference import load_reference
+
+    bad = _used(args, _BENCH_ONLY)
+    if bad:
+        raise InputError(f"{', '.join(bad)} only apply to `avatarstream eval benchmark`")
+    if not args.reference:
+        raise InputError("--reference is required: the image or video of the person the video should show")
+    if args.chunk_frames is not None and args.chunk_frames < 1:
+        raise InputError("--chunk-frames must be at least 1")
+    frames = _read_video(args.video)
+    audio = read_all(args.audio or args.video, 16000)
+    if audio.size == 0:
+        raise InputError(f"no audio: {args.audio or args.video} has no audio track; pass --audio WAV")
+    ref = load_reference(args.reference, size=256, max_frames=250).frames.permute(0, 2, 3, 1).numpy()
+    gt = _read_video(args.ground_truth) if args.ground_truth else None
+    ex = load_experts(args.experts)
+    starts = list(range(0, len(frames), args.chunk_frames)) if args.chunk_frames else None
+    ev = evaluate(frames, audio, ref, ex, ground_truth=gt, chunk_starts=starts)
+    m = ev.metrics
+    result: dict[str, Any] = {k: m.get(k) for k in STABLE_KEYS}
+    result.update(model=None, split=None, seed=None, clips=1, fps=None, ttff_s=None, ssim=m.get("ssim"),
+                  frames=m["frames"], seconds=m["seconds"], style=m["style"], reference_style=m.get("reference_style"),
+                  silent_frames=m["silent_frames"], drift=ev.drift, video=str(args.video))
+    if gt is not None:
+        gt_ev = evaluate(gt, audio, ref[:1], ex)
+        a, b = ev.tracks["mouth_open"], gt_ev.tracks["mouth_open"]
+        k = min(len(a), len(b))
+        result["mouth_open_corr_gt"] = float(np.corrcoef(a[:k], b[:k])[0, 1]) if k > 2 and a[:k].std() > 0 and b[:k].std() > 0 else None
+    out = Path(args.out) if args.out else Path(str(args.video) + ".eval")
+    cases = [{"name": "video", "metrics": m, "drift": ev.drift}]
+    if not args.no_plots:
+        out.mkdir(parents=True, exist_ok=True)
+        cases[0]["plots"] = plot_case(out, "video", ev.tracks, gt_ev.tracks if gt is not None else None)
+        rows = [frames] + ([gt] if gt is not None else []) + [ref]
+        cases[0]["plots"].append(frame_strip(out, "video", rows))
+    result["report"] = str(write_report(out, result, cases, f"Evaluation of {args.video}"))
+    return result
+
+
+def run_benchmark_cmd(args: argparse.Namespace) -> dict[str, Any]:
+    from avatarstream.eval.benchmark import run_benchmark
+    from avatarstream.eval.experts import load_experts
+
+    bad = _used(args, _VIDEO_ONLY)
+    if bad:
+        raise InputError(f"{', '.join(bad)} only apply to `avatarstream eval VIDEO`")
+    if not args.model or not args.split:
+        raise InputError("eval benchmark needs --model NAME and --split heldout-identity|heldout-voice")
+    seed = 0 if args.seed is None else args.seed
+    out = Path(args.out) if args.out else Path(f"eval-{args.model}-{args.split}-s{seed}")
+    r = run_benchmark(args.model, args.split, seconds=10.0 if args.seconds is None else args.seconds,
+                      clips=3 if args.clips is None else args.clips, seed=seed, out=out,
+                      experts=load_experts(args.experts), plots=not args.no_plots)
+    return {**{k: r.get(k) for k in STABLE_KEYS}, **{k: v for k, v in r.items() if k not in STABLE_KEYS}}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Dispatch on VIDEO|benchmark; returns the JSON-serialisable summary."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.video == "benchmark" and not Path("benchmark").is_file():
+        return run_benchmark_cmd(args)
+    return run_video(args)

@@ -1,0 +1,114 @@
+"""`avatarstream train`: run a recipe, pre-encode data, export weights.
+
+    avatarstream train RECIPE [--resume] [--run-dir DIR] [--max-steps N] [--device cpu|cuda]
+                              [--set section.key=value ...] [--no-progress]
+    avatarstream train prepare --shards SYNTH_DIR --vae VAE_RUN|WEIGHTS|random --model tiny|small
+                               --out FILE.safetensors [--max-clips N] [--device cpu|cuda]
+    avatarstream train export RUN_DIR [RUN_DIR ...] --out weights/NAME/
+
+Each returns a JSON-serialisable summary (the top-level CLI prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from avatarstream.errors import ConfigError
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are ConfigErrors (one-line message, exit code 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", metavar="RECIPE|prepare|export",
+                   help="a recipe (.toml path or name under recipes/), or `prepare` / `export`")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that form (see above)")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="avatarstream train RECIPE", add_help=False)
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    p.add_argument("--run-dir", default=None, help="run folder (default runs/<recipe name>)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop (with a checkpoint) after this many steps in total; the schedule stays the recipe's")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value (TOML syntax)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _prepare_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="avatarstream train prepare", add_help=False)
+    p.add_argument("--shards", required=True)
+    p.add_argument("--vae", required=True, help="vae run folder, weights folder/.safetensors, or `random` (tests)")
+    p.add_argument("--model", choices=["tiny", "small"], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-clips", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="avatarstream train export", add_help=False)
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", required=True)
+    return p
+
+
+def _parse(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
+    ns, extra = parser.parse_known_args(rest)
+    if extra:
+        raise ConfigError(f"{parser.prog}: unrecognised arguments: {' '.join(extra)}")
+    return ns
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if "--json" in args.rest:  # `train RECIPE ... --json`: the top-level flag after the recipe
+        args.rest = [a for a in args.rest if a != "--json"]
+        args.json = True
+    if args.recipe == "prepare":
+        return _prepare(_parse(_prepare_parser(), args.rest))
+    if args.recipe == "export":
+        from avatarstream.train.export import export
+
+        ns = _parse(_export_parser(), args.rest)
+        return export(ns.runs, ns.out)
+    ns = _parse(_run_parser(), args.rest)
+    from avatarstream.train.recipe import load_recipe
+    from avatarstream.train.trainer import Trainer
+
+    recipe = load_recipe(args.recipe, ns.set)
+    if ns.max_steps is not None and ns.max_steps < 1:
+        raise ConfigError("--max-steps must be at least 1")
+    run_dir = Path(ns.run_dir) if ns.run_dir else Path("runs") / recipe["name"]
+    return Trainer(recipe, run_dir, device=ns.device, max_steps=ns.max_steps,
+                   progress=not ns.no_progress).run(resume=ns.resume)
+
+
+def _prepare(ns: argparse.Namespace) -> dict[str, Any]:
+    from avatarstream.train.data import prepare
+    from avatarstream.train.tasks import GEOMETRY, build_nets, init_net
+    from avatarstream.train.trainer import net_weights, resolve_device
+
+    device = resolve_device(ns.device)
+    vae = build_nets(ns.model)["vae"]
+    if ns.vae == "random":
+        init_net("vae", vae, 0)
+    else:
+        try:
+            vae.load_state_dict(net_weights(ns.vae, "vae"))
+        except RuntimeError as e:
+            raise ConfigError(f"--vae {ns.vae}: not a {ns.model} VAE ({str(e).splitlines()[0]})") from None
+    g = GEOMETRY[ns.model]
+    return prepare(ns.shards, vae, ns.out, lr_size=g["lr_size"], hr_size=g["hr_size"],
+                   max_clips=ns.max_clips or None, device=str(device), progress=not ns.no_progress)

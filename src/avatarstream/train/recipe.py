@@ -1,0 +1,152 @@
+"""Recipes: TOML files (read with tomllib) that say what a training run does.
+
+A recipe names a `stage` (`vae`, `a2v`, `sr`), a `model` size preset (`tiny`, `small`: the
+registry's network sizes and geometry) and sections whose every key has a default here
+(`DEFAULTS`); unknown sections or keys are errors (typos never pass silently). `RECIPE` may be a
+path or a name looked up in the `recipes/` folder (of the current directory, then of the source
+checkout). `--set section.key=value` overrides (value parsed as TOML, else a string).
+
+Stages: `vae`, `a2v` (pre-training and personality SFT), `sr`, `cfg-distill`.
+Sections: `[train]` (steps, batch, seed, optimiser, EMA, precision, checkpoints), `[data]`
+(`shards` for vae, `prepared` for a2v/sr; relative paths are relative to the working
+directory, so run from the repository root),
+`[init]` (net name -> run folder or .safetensors to start that net from; e.g. `sr` takes the
+audio/text encoders of an `a2v` run), and one section named after the stage (its losses and
+sampling).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from avatarstream.errors import ConfigError
+
+STAGES = ("vae", "a2v", "sr", "cfg-distill")
+MODELS = ("tiny", "small")
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"steps": 1000, "batch": 4, "seed": 0, "lr": 1e-3, "warmup": 50, "min_lr_ratio": 0.1,
+              "weight_decay": 0.01, "betas": [0.9, 0.95], "muon_momentum": 0.95, "muon_bf16": True, "grad_clip": 1.0,
+              "ema": 0.999, "bf16": True, "checkpoint_every": 500, "checkpoint_minutes": 20.0,
+              "keep": 2, "plot_every": 100, "threads": 0},
+    "data": {"shards": "", "prepared": "", "max_clips": 0},
+    "init": {"dit": "", "refiner": "", "vae": "", "audio": "", "text": ""},
+    "vae": {"latent_frames": 3, "crop": 128, "p_lr": 0.5, "kl": 1e-4, "grad": 0.5, "multiscale": 0.5,
+            "temporal": 0.25, "mouth": 4.0, "eyes": 2.0, "radius": 0.06},
+    "a2v": {"chunk": 8, "ref_frames": 8, "p_ref2v": 0.4, "p_prefix": 0.4, "p_interp": 0.2, "overlap": 2,
+            "logit_mean": 0.0, "logit_std": 1.0, "motion": 0.5, "ref_motion": 0.1, "mouth": 2.0,
+            "eyes": 1.0, "radius": 0.06, "p_drop_audio": 0.1, "p_drop_ref": 0.05, "p_empty_text": 0.5,
+            "p_cross_scene": 1.0, "audio_window": 1, "ref_t_position": -8.0, "train_audio": True,
+            "train_text": True},
+    "cfg-distill": {},
+    "sr": {"chunk": 4, "ref_frames": 8, "sigma": 0.6, "p_sigma_jitter": 0.25, "sigma_jitter": 0.2,
+           "lr_noise": 0.05, "mouth": 2.0, "eyes": 1.0, "radius": 0.06, "p_empty_text": 0.5,
+           "audio_window": 1, "ref_t_position": -8.0},
+}
+
+
+DEFAULTS["cfg-distill"] = {**DEFAULTS["a2v"], "p_drop_audio": 0.0, "p_drop_ref": 0.0, "audio_scale": 3.0,
+                           "ref_scale": 1.5, "train_audio": False, "train_text": False}
+
+
+def recipe_dirs() -> list[Path]:
+    here = Path(__file__).resolve()
+    return [Path.cwd() / "recipes", here.parents[3] / "recipes"]
+
+
+def find_recipe(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".toml" and p.is_file():
+        return p
+    for d in recipe_dirs():
+        q = d / (name if name.endswith(".toml") else f"{name}.toml")
+        if q.is_file():
+            return q
+    known = sorted({q.stem for d in recipe_dirs() if d.is_dir() for q in d.glob("*.toml")})
+    raise ConfigError(f"no recipe {name!r} (a .toml path or one of: {', '.join(known) or 'none found'})")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Recipe dict with every default filled in, `_path` and `name` set, overrides applied."""
+    path = find_recipe(str(name_or_path))
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from e
+    for item in overrides or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set wants section.key=value, got {item!r}")
+        key, val = item.split("=", 1)
+        sec, k = key.strip().split(".", 1)
+        raw.setdefault(sec, {})[k] = _parse_value(val.strip())
+    return resolve(raw, base=path.parent, name=path.stem)
+
+
+def resolve(raw: dict[str, Any], *, base: Path | None = None, name: str = "recipe") -> dict[str, Any]:
+    """Validate a raw recipe dict and fill defaults."""
+    raw = copy.deepcopy(raw)
+    stage = raw.pop("stage", None)
+    if stage not in STAGES:
+        raise ConfigError(f"recipe {name}: stage must be one of {', '.join(STAGES)}, got {stage!r}")
+    model = raw.pop("model", "tiny")
+    if model not in MODELS:
+        raise ConfigError(f"recipe {name}: model must be one of {', '.join(MODELS)}, got {model!r}")
+    rname = raw.pop("name", name)
+    out: dict[str, Any] = {"stage": stage, "model": model, "name": rname}
+    for sec, vals in raw.items():
+        if sec not in DEFAULTS or (sec in STAGES and sec != stage):
+            raise ConfigError(f"recipe {rname}: unknown section [{sec}]")
+        if not isinstance(vals, dict):
+            raise ConfigError(f"recipe {rname}: [{sec}] must be a table")
+        bad = set(vals) - set(DEFAULTS[sec])
+        if bad:
+            raise ConfigError(f"recipe {rname}: unknown key(s) in [{sec}]: {', '.join(sorted(bad))}")
+    for sec in ("train", "data", "init", stage):
+        merged = dict(DEFAULTS[sec])
+        merged.update(raw.get(sec, {}))
+        for k, v in merged.items():
+            d = DEFAULTS[sec][k]
+            if isinstance(d, bool) and not isinstance(v, bool):
+                raise ConfigError(f"recipe {rname}: {sec}.{k} must be true or false")
+            if isinstance(d, (int, float)) and not isinstance(d, bool):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ConfigError(f"recipe {rname}: {sec}.{k} must be a number, got {v!r}")
+                if isinstance(d, int) and not isinstance(d, bool) and isinstance(v, float) and not v.is_integer():
+                    raise ConfigError(f"recipe {rname}: {sec}.{k} must be an integer")
+                merged[k] = type(d)(v) if not (isinstance(d, int) and isinstance(v, float)) else int(v)
+        out[sec] = merged
+    for k in ("shards", "prepared"):
+        if out["data"][k]:
+            out["data"][k] = str(Path(out["data"][k]).expanduser())
+    t = out["train"]
+    if t["steps"] < 1 or t["batch"] < 1:
+        raise ConfigError(f"recipe {rname}: train.steps and train.batch must be at least 1")
+    if not 0 <= t["ema"] < 1:
+        raise ConfigError(f"recipe {rname}: train.ema must be in [0, 1)")
+    if t["checkpoint_every"] < 1 or t["keep"] < 1:
+        raise ConfigError(f"recipe {rname}: train.checkpoint_every and train.keep must be at least 1")
+    return out
+
+
+def fingerprint(recipe: dict[str, Any]) -> str:
+    """Hash of what determines the trajectory: everything but checkpoint/plot cadence, threads,
+    and where the data and `[init]` weights live (a run may resume on another machine, e.g. a
+    GPU box with the prepared file elsewhere; `[init]` is only read when a run starts)."""
+    r = copy.deepcopy(recipe)
+    for k in ("checkpoint_every", "checkpoint_minutes", "keep", "plot_every", "threads"):
+        r["train"].pop(k, None)
+    r.pop("init", None)
+    r["data"] = {k: v for k, v in r["data"].items() if k not in ("shards", "prepared")}
+    return hashlib.sha256(json.dumps(r, sort_keys=True).encode()).hexdigest()[:16]

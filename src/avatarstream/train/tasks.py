@@ -1,0 +1,514 @@
+"""Stage objectives. A task builds its networks, samples a batch for a step from a
+`torch.Generator` seeded by (seed, step) (so a resumed run draws the same data and noise), and
+returns the loss. Batches are drawn on the CPU and moved to the device: the same recipe gives
+the same batches on any device.
+
+Inference contract the tasks follow (engine/stages/*.py):
+- DiT: latents `[B, C, T, h, w]` at LR, per-frame `sigma [B, T]`, given frames clean with σ = 0,
+  motion tokens `[B, T, Dm]` noised with the same σ as their frame, audio tokens
+  `[B, T, 4 + 2w, Da]` (`group_per_latent` of the AudioEncoder's per-frame features over the
+  clip's timeline positions, zero-extended signal), text tokens of the prompt, chunk RoPE
+  positions `arange(T)`, reference = LR latents of the first frames of a reference clip at
+  RoPE position −8 (`ref_t_position`) with a validity mask.
+- Refiner: `x = (1 − σ) up + σ ε` with `up = upsample2x(lr)`, `x0 = x − σ v`, σ = 0.6, HR
+  reference latents, clean motion tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from avatarstream.models.audio import AudioConfig, AudioEncoder, group_per_latent, latent_frame_range
+from avatarstream.models.dit import DiTCondition, DiTConfig, VideoRefDiT
+from avatarstream.models.refiner import RefinerConfig, SRRefiner, upsample2x
+from avatarstream.models.text import TextConfig, TextEncoder
+from avatarstream.models.vae import CausalVAE, VAEConfig
+from avatarstream.errors import ConfigError
+from avatarstream.train.data import (FRAME_KEYS, PixelClip, PreparedData, load_pixel_clips,
+                                     motion_descriptor, region_weight)
+
+NETS = ("dit", "refiner", "vae", "audio", "text")
+GEOMETRY = {"tiny": {"lr_size": 32, "hr_size": 64}, "small": {"lr_size": 128, "hr_size": 256}}
+
+
+def build_nets(model: str) -> dict[str, nn.Module]:
+    """All five networks at the preset's sizes (fresh, default PyTorch init)."""
+    pick = lambda cls: getattr(cls, model)()  # noqa: E731
+    return {"dit": VideoRefDiT(pick(DiTConfig)), "refiner": SRRefiner(pick(RefinerConfig)),
+            "vae": CausalVAE(pick(VAEConfig)), "audio": AudioEncoder(pick(AudioConfig)),
+            "text": TextEncoder(pick(TextConfig))}
+
+
+def init_net(name: str, net: nn.Module, seed: int) -> None:
+    """Starting weights of a trained-from-scratch network.
+
+    Transformers: the registry's `init_random_` (fan-in scaled, no zero heads) with the output
+    heads, AdaLN gates and the motion head scaled down ×0.1 (small initial updates keep the
+    residual stream stable). VAE / encoders: their `init_random_`.
+    """
+    net.init_random_(seed)
+    if name in ("dit", "refiner"):
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                if n.startswith("head.") or n.startswith("motion_head.") or n.endswith("o.weight"):
+                    p.mul_(0.1)
+
+
+def _pick(g: torch.Generator, n: int) -> int:
+    return int(torch.randint(n, (1,), generator=g))
+
+
+def _rand(g: torch.Generator) -> float:
+    return float(torch.rand((), generator=g))
+
+
+def _latent_points(table: torch.Tensor, positions: list[int], scale: float) -> torch.Tensor:
+    """Mouth/eye points `[T, 6]` of latent frames (mean over their video frames), × scale."""
+    cols = [FRAME_KEYS.index(k) for k in ("mouth_x", "mouth_y", "eye_rx", "eye_ry", "eye_lx", "eye_ly")]
+    f = table.shape[0]
+    out = []
+    for p in positions:
+        a, b = (0, 1) if p == 0 else (4 * p - 3, 4 * p + 1)
+        a, b = min(a, f - 1), min(max(b, a + 1), f)
+        out.append(table[a:b, cols].mean(0))
+    return torch.stack(out) * scale
+
+
+class Task:
+    """Base: `nets` (every network the stage uses), `trainable` (names it updates)."""
+
+    stage = ""
+    trainable: tuple[str, ...] = ()
+
+    def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
+        self.recipe, self.device = recipe, device
+        self.cfg = recipe[self.stage]
+        self.geometry = GEOMETRY[recipe["model"]]
+        all_nets = build_nets(recipe["model"])
+        self.nets = {k: all_nets[k] for k in self.uses()}
+        for i, (k, net) in enumerate(sorted(self.nets.items())):
+            init_net(k, net, recipe["train"]["seed"] * 101 + i)
+
+    def uses(self) -> tuple[str, ...]:
+        return self.trainable
+
+    def after_init(self) -> None:
+        """Called by the trainer after `[init]` weights are loaded (before any checkpoint)."""
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def randn(self, g: torch.Generator, *shape: int) -> torch.Tensor:
+        """Standard normal noise drawn on the CPU from the step's generator, on the device."""
+        return torch.randn(*shape, generator=g).to(self.device)
+
+
+# ---------------------------------------------------------------------------------------------
+class VAETask(Task):
+    """Causal VAE: weighted L1 + spatial-gradient L1 + multi-scale L1 + temporal-difference L1 +
+    KL. Samples: `1 + 4(latent_frames − 1)` consecutive frames of a clip, at HR or (p_lr)
+    area-downsampled to LR, random `crop`² crop. The L1 terms are weighted by
+    `1 + mouth·g(mouth) + eyes·g(eyes)` (Gaussians of std `radius` × frame size around the
+    annotated mouth centre and the projected eye centres) so mouths and eyes get sharp."""
+
+    stage = "vae"
+    trainable = ("vae",)
+
+    def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
+        super().__init__(recipe, device)
+        d = recipe["data"]
+        if not d["shards"]:
+            raise ConfigError("the vae recipe needs data.shards (a folder made by `avatarstream synth`)")
+        self.clips: list[PixelClip] = load_pixel_clips(d["shards"], d["max_clips"] or None)
+        self.n_frames = 1 + 4 * (self.cfg["latent_frames"] - 1)
+        self.clips = [c for c in self.clips if c.frames.shape[0] >= self.n_frames]
+        if not self.clips:
+            raise ConfigError(f"no clip has {self.n_frames} frames (vae.latent_frames too large)")
+
+    def sample(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> video `[B, 3, F, c, c]` in [-1, 1], weights `[B, F, c, c]`. The whole batch is at
+        HR or (prob p_lr) at LR; clips, windows and crops differ per element."""
+        b = self.recipe["train"]["batch"]
+        use_lr = _rand(g) < self.cfg["p_lr"]  # one scale per batch (the batch is stacked)
+        vids, ws = [], []
+        for _ in range(b):
+            clip = self.clips[_pick(g, len(self.clips))]
+            s0 = _pick(g, clip.frames.shape[0] - self.n_frames + 1)
+            x = torch.from_numpy(clip.frames[s0:s0 + self.n_frames]).permute(3, 0, 1, 2).float() / 127.5 - 1
+            pts = torch.from_numpy(clip.points[s0:s0 + self.n_frames]).clone()  # [F, 6]
+            size = x.shape[-1]
+            if use_lr:
+                lr = self.geometry["lr_size"]
+                x = F.interpolate(x[None], size=(self.n_frames, lr, lr), mode="area")[0]
+                pts = pts * (lr / size)
+                size = lr
+            c = min(self.cfg["crop"], size)
+            oy, ox = _pick(g, size - c + 1), _pick(g, size - c + 1)
+            x = x[:, :, oy:oy + c, ox:ox + c]
+            pts[:, 0::2] -= ox
+            pts[:, 1::2] -= oy
+            w = region_weight(pts[None], c, mouth=self.cfg["mouth"], eyes=self.cfg["eyes"],
+                              radius=self.cfg["radius"] * size)[0]
+            vids.append(x)
+            ws.append(w)
+        return torch.stack(vids).to(self.device), torch.stack(ws).to(self.device)
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        x, w = self.sample(g)
+        vae: CausalVAE = self.nets["vae"]
+        mean, logvar = vae.encode(x)
+        eps = self.randn(g, *mean.shape)
+        z = mean + torch.exp(0.5 * logvar.float()) * eps
+        rec = vae.decode(z, clamp=False).float()
+        err = rec - x
+        wn = w / w.mean()
+        l1 = (err.abs().mean(1) * wn).mean()
+        dxr, dxx = rec.diff(dim=-1), x.diff(dim=-1)
+        dyr, dyx = rec.diff(dim=-2), x.diff(dim=-2)
+        grad = (((dxr - dxx).abs().mean(1) * wn[..., :, 1:]).mean()
+                + ((dyr - dyx).abs().mean(1) * wn[..., 1:, :]).mean())
+        ms = 0.0
+        for k in (2, 4):
+            if x.shape[-1] // k >= 2:
+                pr = F.avg_pool3d(rec, (1, k, k))
+                px = F.avg_pool3d(x, (1, k, k))
+                ms = ms + (pr - px).abs().mean()
+        temporal = (rec.diff(dim=2) - x.diff(dim=2)).abs().mean()
+        kl = 0.5 * (mean.float().square() + logvar.float().exp() - 1 - logvar.float()).mean()
+        c = self.cfg
+        total = l1 + c["grad"] * grad + c["multiscale"] * ms + c["temporal"] * temporal + c["kl"] * kl
+        f = lambda t: float(t.detach()) if isinstance(t, torch.Tensor) else float(t)  # noqa: E731
+        return total, {"loss": f(total), "l1": f(l1), "grad": f(grad), "ms": f(ms),
+                       "temporal": f(temporal), "kl": f(kl),
+                       "psnr": f(-10 * torch.log10(err.clamp(-2, 2).square().mean() / 4 + 1e-12))}
+
+
+# ---------------------------------------------------------------------------------------------
+class _LatentTask(Task):
+    """Shared by a2v and sr: prepared data, windows, references, audio/text conditioning."""
+
+    def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
+        super().__init__(recipe, device)
+        d = recipe["data"]
+        if not d["prepared"]:
+            raise ConfigError(f"the {self.stage} recipe needs data.prepared (a file made by "
+                              "`avatarstream train prepare`)")
+        self.data = PreparedData(d["prepared"])
+        g = self.geometry
+        if self.data.lr_size != g["lr_size"] or self.data.hr_size != g["hr_size"]:
+            raise ConfigError(f"{d['prepared']} holds {self.data.lr_size}/{self.data.hr_size} px latents; "
+                              f"model {recipe['model']} wants {g['lr_size']}/{g['hr_size']}")
+        c_model = getattr(DiTConfig, recipe["model"])().in_channels
+        if self.data.latent_channels != c_model:
+            raise ConfigError(f"{d['prepared']}: {self.data.latent_channels} latent channels, "
+                              f"model {recipe['model']} wants {c_model}")
+        self.T = self.cfg["chunk"]
+        self.clip_ids = self.data.usable(self.T)
+        if not self.clip_ids:
+            raise ConfigError(f"no clip in {d['prepared']} has {self.T} latent frames (chunk too long)")
+        self.motion_dim = getattr(DiTConfig, recipe["model"])().motion_dim
+
+    def window(self, g: torch.Generator) -> tuple[int, int]:
+        i = self.clip_ids[_pick(g, len(self.clip_ids))]
+        return i, _pick(g, self.data.clips[i]["latents"] - self.T + 1)
+
+    def reference(self, g: torch.Generator, i: int, hr: bool, p_cross: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """Reference of clip i: latents `[C, R, h, w]` of the first R frames of another clip of
+        the same identity in another scene (prob p_cross, when one exists; else clip i), a valid
+        mask `[R]` keeping a random 1..R prefix, its motion descriptor `[R, Dm]`, cross?"""
+        R = self.cfg["ref_frames"]
+        j, cross = self.data.other_scene(i, g) if _rand(g) < p_cross else (i, False)
+        n = min(R, self.data.clips[j]["latents"])
+        keep = 1 + _pick(g, n)
+        lat = torch.zeros(self.data.latent_channels, R, *self.data.latents(j, 0, 1, hr).shape[-2:])
+        lat[:, :n] = self.data.latents(j, 0, n, hr)
+        valid = torch.zeros(R, dtype=torch.bool)
+        valid[:keep] = True
+        mot = torch.zeros(R, self.motion_dim)
+        mot[:n] = motion_descriptor(self.data.table(j), torch.arange(n), self.motion_dim)
+        return lat, valid, mot, cross
+
+    def audio_tokens(self, audio: AudioEncoder, clips: list[int], starts: list[int], drop: torch.Tensor
+                     ) -> torch.Tensor:
+        """`[B, T, 4 + 2w, Da]` tokens of latent positions start..start+T−1 of each clip
+        (features of the zero-extended waveform, as the engine computes them); rows of `drop`
+        (bool `[B]`) zeroed (audio-free condition for CFG)."""
+        w = self.cfg["audio_window"]
+        out = []
+        for i, p0 in zip(clips, starts):
+            a = latent_frame_range(p0, w)[0]
+            b = latent_frame_range(p0 + self.T - 1, w)[1]
+            wave = self.data.wave_of(i)[None].to(self.device)
+            feats = audio.frames(wave, a, b)  # [1, b - a, Da]
+            out.append(group_per_latent(feats, list(range(p0, p0 + self.T)), w, first_frame=a))
+        tok = torch.cat(out)
+        return tok * (~drop).to(tok.dtype).to(self.device)[:, None, None, None]
+
+    def text_tokens(self, text: TextEncoder, g: torch.Generator, clips: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        prompts = ["" if _rand(g) < self.cfg["p_empty_text"] else self.data.clips[i]["prompt"] for i in clips]
+        return text.encode(prompts)
+
+    def latent_weight(self, clips: list[int], starts: list[int], size: int) -> torch.Tensor:
+        """Mouth/eye weight map `[B, 1, T, size, size]` in latent pixels (normalised to mean 1)."""
+        scale = size / self.data.hr_size
+        pts = torch.stack([_latent_points(self.data.table(i), list(range(p0, p0 + self.T)), scale)
+                           for i, p0 in zip(clips, starts)])  # [B, T, 6]
+        w = region_weight(pts, size, mouth=self.cfg["mouth"], eyes=self.cfg["eyes"],
+                          radius=max(0.5, self.cfg["radius"] * size))
+        return (w / w.mean()).unsqueeze(1).to(self.device)
+
+
+class A2VTask(_LatentTask):
+    """Audio-to-video flow matching of the VideoRef DiT (+ AudioEncoder and TextEncoder trained
+    jointly).
+
+    Per element: a window of `chunk` latent frames, σ ~ logit-normal(logit_mean, logit_std)
+    shared by the chunk's generated frames, a frame-conditioning mask (ref2v: none given;
+    prefix2v: the first `overlap`; interpolation: first and last) whose given frames are clean
+    (σ = 0) and excluded from the loss, a cross-scene reference (see `reference`), condition
+    dropout for classifier-free guidance (audio tokens zeroed with p_drop_audio, every reference
+    key masked with p_drop_ref — the same as no reference — and the empty prompt with
+    p_empty_text). Personality SFT is this task with `p_cross_scene = 1` started from a
+    pre-training run (`[init]`).
+    Loss = weighted MSE(v̂, ε − x0) over generated frames (mouth/eye-weighted)
+         + motion · MSE(motion velocity, ε_m − m0) over generated frames
+         + ref_motion · MSE(reference motion tokens, reference motion descriptor) over valid frames.
+    """
+
+    stage = "a2v"
+
+    def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
+        c = recipe["a2v"]
+        t = ["dit"]
+        if c["train_audio"]:
+            t.append("audio")
+        if c["train_text"]:
+            t.append("text")
+        self.trainable = tuple(t)
+        super().__init__(recipe, device)
+        p = [c["p_ref2v"], c["p_prefix"], c["p_interp"]]
+        if min(p) < 0 or sum(p) <= 0:
+            raise ConfigError("a2v: p_ref2v, p_prefix, p_interp must be >= 0 with a positive sum")
+        if self.T < max(3, c["overlap"] + 1):
+            raise ConfigError("a2v: chunk must exceed overlap and be at least 3")
+        self.mode_p = torch.tensor(p, dtype=torch.float64) / sum(p)
+
+    def uses(self) -> tuple[str, ...]:
+        return ("dit", "audio", "text")
+
+    def given_mask(self, g: torch.Generator) -> tuple[torch.Tensor, int]:
+        mode = int(torch.multinomial(self.mode_p, 1, generator=g))
+        m = torch.zeros(self.T, dtype=torch.bool)
+        if mode == 1:
+            m[: self.cfg["overlap"]] = True
+        elif mode == 2:
+            m[0] = m[-1] = True
+        return m, mode
+
+    def batch(self, g: torch.Generator) -> dict[str, Any]:
+        """Everything one step needs, drawn from g: clean latents `x0 [B,C,T,h,w]`, motion
+        `m0 [B,T,Dm]`, noisy `xs`, `ms`, noise `eps`, `eps_m`, `sigma [B,T]`, `given [B,T]`,
+        audio tokens `[B,T,A,Da]` (zeroed rows: dropped audio), text tokens/mask, reference
+        latents `[B,C,R,h,w]`, `ref_valid [B,R]` (all False: dropped reference), descriptors."""
+        c, B, T = self.cfg, self.recipe["train"]["batch"], self.T
+        clips, starts, x0, m0, given, refs, valids, ref_mot, cross = [], [], [], [], [], [], [], [], 0
+        for _ in range(B):
+            i, p0 = self.window(g)
+            clips.append(i)
+            starts.append(p0)
+            x0.append(self.data.latents(i, p0, T))
+            m0.append(motion_descriptor(self.data.table(i), torch.arange(p0, p0 + T), self.motion_dim))
+            given.append(self.given_mask(g)[0])
+            lat, valid, mot, cr = self.reference(g, i, hr=False, p_cross=c["p_cross_scene"])
+            refs.append(lat)
+            valids.append(valid)
+            ref_mot.append(mot)
+            cross += int(cr)
+        b: dict[str, Any] = {"clips": clips, "starts": starts, "cross": cross / B}
+        b["x0"] = x0t = torch.stack(x0).to(self.device)
+        b["m0"] = m0t = torch.stack(m0).to(self.device)
+        b["given"] = given_t = torch.stack(given).to(self.device)
+        u = torch.randn(B, generator=g) * c["logit_std"] + c["logit_mean"]
+        b["sig"] = sig = torch.sigmoid(u).to(self.device)  # [B] logit-normal
+        b["sigma"] = sigma = sig[:, None].expand(B, T).masked_fill(given_t, 0.0)  # [B, T]
+        b["eps"] = eps = self.randn(g, *x0t.shape)
+        b["eps_m"] = eps_m = self.randn(g, *m0t.shape)
+        s5 = sigma[:, None, :, None, None]
+        b["xs"] = (1 - s5) * x0t + s5 * eps
+        b["ms"] = (1 - sigma[..., None]) * m0t + sigma[..., None] * eps_m
+        drop_a = torch.rand(B, generator=g) < c["p_drop_audio"]
+        drop_r = torch.rand(B, generator=g) < c["p_drop_ref"]
+        grad = torch.enable_grad() if "audio" in self.trainable else torch.no_grad()
+        with grad:
+            b["audio"] = self.audio_tokens(self.nets["audio"], clips, starts, drop_a)
+        with torch.enable_grad() if "text" in self.trainable else torch.no_grad():
+            b["text"], b["text_mask"] = self.text_tokens(self.nets["text"], g, clips)
+        b["ref_lat"] = torch.stack(refs).to(self.device)
+        b["ref_valid"] = (torch.stack(valids) & ~drop_r[:, None]).to(self.device)
+        b["ref_mot"] = torch.stack(ref_mot).to(self.device)
+        b["weight"] = self.latent_weight(clips, starts, x0t.shape[-1])  # [B, 1, T, h, w]
+        return b
+
+    def predict(self, dit: VideoRefDiT, b: dict[str, Any], *, audio: bool = True, ref: bool = True):  # type: ignore[no-untyped-def]
+        """(DiTOutput, ReferenceCache | None) of `dit` on batch b, with the audio and/or reference
+        stream dropped for every element when asked (CFG streams)."""
+        c, T = self.cfg, self.T
+        cache = None
+        if ref:
+            t_ref = torch.full((b["ref_lat"].shape[2],), float(c["ref_t_position"]))
+            cache = dit.encode_reference(b["ref_lat"], b["ref_valid"], t_ref)
+        tok = b["audio"] if audio else torch.zeros_like(b["audio"])
+        cond = DiTCondition(motion=b["ms"], audio=tok, text=b["text"], text_mask=b["text_mask"],
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device))
+        return dit(b["xs"], b["sigma"], cond, cache), cache
+
+    def flow_losses(self, b: dict[str, Any], v: torch.Tensor, mv: torch.Tensor, v_target: torch.Tensor,
+                    mv_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mouth/eye-weighted MSE of v `[B,C,T,h,w]` and MSE of mv `[B,T,Dm]` over generated frames."""
+        gen = (~b["given"]).float()  # [B, T]
+        w = b["weight"] * gen[:, None, :, None, None]
+        loss_v = ((v.float() - v_target).square() * w).sum() / (w.sum() * v.shape[1]).clamp_min(1)
+        m_err = (mv.float() - mv_target).square().mean(-1)
+        return loss_v, (m_err * gen).sum() / gen.sum().clamp_min(1)
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        c = self.cfg
+        b = self.batch(g)
+        out, cache = self.predict(self.nets["dit"], b)
+        loss_v, loss_m = self.flow_losses(b, out.velocity, out.motion_velocity, b["eps"] - b["x0"],
+                                          b["eps_m"] - b["m0"])
+        valid = b["ref_valid"]
+        keep = valid.any(0)  # frames encode_reference kept
+        rv = valid[:, keep].float()
+        if cache is not None and cache.motion.shape[1] > 0:
+            rm_err = (cache.motion.float() - b["ref_mot"][:, keep]).square().mean(-1)
+            loss_rm = (rm_err * rv).sum() / rv.sum().clamp_min(1)
+        else:
+            loss_rm = torch.zeros((), device=self.device)
+        total = loss_v + c["motion"] * loss_m + c["ref_motion"] * loss_rm
+        return total, {"loss": float(total.detach()), "flow": float(loss_v.detach()),
+                       "motion": float(loss_m.detach()), "ref_motion": float(loss_rm.detach()),
+                       "sigma": float(b["sig"].mean()), "cross_scene": b["cross"]}
+
+
+class CFGDistillTask(A2VTask):
+    """CFG distillation (Avatar V sec. 3.4): fold the audio and reference guidance streams into one
+    forward pass. Teacher = the DiT of `init.dit` (frozen), student = the same weights (trained);
+    audio and text encoders frozen (from `init`). Per batch the teacher runs three streams,
+    full `v(a, r)`, audio dropped `v(∅, r)`, both dropped `v(∅, ∅)`, and the target is
+
+        v_cfg = v(∅, ∅) + ref_scale · (v(∅, r) − v(∅, ∅)) + audio_scale · (v(a, r) − v(∅, r))
+
+    (same for the motion velocity); loss = weighted MSE(student v(a, r), v_cfg) + motion ·
+    MSE(motion). The guidance scales are recipe inputs (fixed per run): the distilled DiT has the
+    unchanged architecture, so the engine runs it as is. The teacher must have been trained with
+    audio/reference dropout (a2v `p_drop_audio`, `p_drop_ref`)."""
+
+    stage = "cfg-distill"
+    trainable = ("dit",)
+
+    def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
+        if not recipe["init"]["dit"]:
+            raise ConfigError("the cfg-distill recipe needs init.dit (the a2v run or weights to distill)")
+        _LatentTask.__init__(self, recipe, device)
+        c = recipe["cfg-distill"]
+        p = [c["p_ref2v"], c["p_prefix"], c["p_interp"]]
+        self.mode_p = torch.tensor(p, dtype=torch.float64) / max(sum(p), 1e-9)
+        self.nets["teacher"] = VideoRefDiT(getattr(DiTConfig, recipe["model"])())
+
+    def uses(self) -> tuple[str, ...]:
+        return ("dit", "audio", "text")
+
+    def after_init(self) -> None:
+        self.nets["teacher"].load_state_dict(self.nets["dit"].state_dict())
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        c = self.cfg
+        b = self.batch(g)
+        teacher = self.nets["teacher"]
+        with torch.no_grad():
+            full, _ = self.predict(teacher, b)
+            no_a, _ = self.predict(teacher, b, audio=False)
+            none, _ = self.predict(teacher, b, audio=False, ref=False)
+            guide = lambda f: (f(none).float() + c["ref_scale"] * (f(no_a).float() - f(none).float())  # noqa: E731
+                               + c["audio_scale"] * (f(full).float() - f(no_a).float()))
+            v_cfg = guide(lambda o: o.velocity)
+            mv_cfg = guide(lambda o: o.motion_velocity)
+        out, _ = self.predict(self.nets["dit"], b)
+        loss_v, loss_m = self.flow_losses(b, out.velocity, out.motion_velocity, v_cfg, mv_cfg)
+        total = loss_v + c["motion"] * loss_m
+        gap = (full.velocity.float() - v_cfg).square().mean()
+        return total, {"loss": float(total.detach()), "flow": float(loss_v.detach()),
+                       "motion": float(loss_m.detach()), "teacher_gap": float(gap),
+                       "sigma": float(b["sig"].mean())}
+
+
+class SRTask(_LatentTask):
+    """Super-resolution refiner, one step from σ = 0.6: `x = (1 − σ) up(lr') + σ ε` with lr' the
+    window's LR latents plus N(0, lr_noise²) (a stand-in for the DiT's errors), `x0̂ = x − σ v̂`,
+    loss = mouth/eye-weighted MSE(x0̂, HR latents). σ jitters in ±sigma_jitter with prob
+    p_sigma_jitter (robustness); audio/text encoders are frozen (from `[init]`, e.g. an a2v run);
+    motion tokens are the clean motion descriptor (what the DiT outputs at inference)."""
+
+    stage = "sr"
+    trainable = ("refiner",)
+
+    def uses(self) -> tuple[str, ...]:
+        return ("refiner", "audio", "text")
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        c, B, T = self.cfg, self.recipe["train"]["batch"], self.T
+        ref_net: SRRefiner = self.nets["refiner"]
+        clips, starts, lr, hr, mot, refs, valids = [], [], [], [], [], [], []
+        for _ in range(B):
+            i, p0 = self.window(g)
+            clips.append(i)
+            starts.append(p0)
+            lr.append(self.data.latents(i, p0, T))
+            hr.append(self.data.latents(i, p0, T, hr=True))
+            mot.append(motion_descriptor(self.data.table(i), torch.arange(p0, p0 + T), self.motion_dim))
+            lat, valid, _, _ = self.reference(g, i, hr=True, p_cross=1.0)
+            refs.append(lat)
+            valids.append(valid)
+        lr_t = torch.stack(lr).to(self.device)
+        hr_t = torch.stack(hr).to(self.device)
+        sig = torch.full((B,), float(c["sigma"]))
+        jit = torch.rand(B, generator=g) < c["p_sigma_jitter"]
+        sig = torch.where(jit, sig + (2 * torch.rand(B, generator=g) - 1) * c["sigma_jitter"], sig)
+        sig = sig.clamp(0.05, 0.95).to(self.device)
+        lr_in = lr_t + c["lr_noise"] * self.randn(g, *lr_t.shape)
+        up = upsample2x(lr_in)
+        eps = self.randn(g, *hr_t.shape)
+        s5 = sig[:, None, None, None, None]
+        x = (1 - s5) * up + s5 * eps
+        with torch.no_grad():
+            audio = self.audio_tokens(self.nets["audio"], clips, starts, torch.zeros(B, dtype=torch.bool))
+            text, tmask = self.text_tokens(self.nets["text"], g, clips)
+        ref_lat = torch.stack(refs).to(self.device)
+        t_ref = torch.full((ref_lat.shape[2],), float(c["ref_t_position"]))
+        ref = ref_net.encode_reference(ref_lat, torch.stack(valids).to(self.device), t_ref)
+        cond = DiTCondition(motion=torch.stack(mot).to(self.device), audio=audio, text=text,
+                            text_mask=tmask, t_pos=torch.arange(T, dtype=torch.float32, device=self.device))
+        v = ref_net(x, up, sig[:, None].expand(B, T), cond, ref).float()
+        x0 = x - s5 * v
+        w = self.latent_weight(clips, starts, hr_t.shape[-1])
+        loss = ((x0 - hr_t).square() * w).mean()
+        base = (up - hr_t).square().mean()
+        return loss, {"loss": float(loss.detach()), "upsample_mse": float(base), "sigma": float(sig.mean())}
+
+
+TASKS = {"vae": VAETask, "a2v": A2VTask, "sr": SRTask, "cfg-distill": CFGDistillTask}
+
+
+def make_task(recipe: dict[str, Any], device: torch.device) -> Task:
+    return TASKS[recipe["stage"]](recipe, device)
+
+
+__all__ = ["NETS", "GEOMETRY", "Task", "VAETask", "A2VTask", "SRTask", "CFGDistillTask", "make_task", "build_nets",
+           "init_net"]

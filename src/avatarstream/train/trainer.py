@@ -1,0 +1,312 @@
+"""The training loop: recipe -> run folder with checkpoints, EMA weights, a loss log and plots.
+
+Run folder (`runs/<recipe name>` unless `--run-dir`):
+
+    recipe.json                      the resolved recipe (every default filled in)
+    log.jsonl                        one JSON line per step: step, lr, losses, step_s, time_s
+    ckpt-<step>.safetensors          model.<net>.<param> (every net the stage uses),
+                                     ema.<net>.<param> (trained nets), optim.<state>
+    ckpt-<step>.json                 sidecar: step, optimizer step count, recipe fingerprint,
+                                     elapsed time; written after the weights: a checkpoint exists
+                                     once its sidecar does (both written tmp + rename)
+    plots/<key>.png                  loss curves (refreshed at every checkpoint and at the end)
+    summary.json                     written when the run reaches its last step
+
+Determinism: the batch and every noise tensor of step s come from a CPU `torch.Generator`
+seeded from (seed, s), so a run killed at any time and resumed from its last checkpoint draws
+the same batches; with the same device and thread count the resumed weights equal the
+uninterrupted run's bit for bit. The last `keep` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from avatarstream.errors import ConfigError, InputError
+from avatarstream.train.optim import MuonAdamW, lr_at
+from avatarstream.train.recipe import fingerprint
+from avatarstream.train.tasks import Task, make_task
+
+CKPT_VERSION = 1
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The CPU generator of one step: a 63-bit mix of (seed, step)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    return torch.Generator().manual_seed(x & (2**63 - 1))
+
+
+def resolve_device(name: str | None) -> torch.device:
+    name = name or "cpu"
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ConfigError(f"--device must be cpu or cuda, got {name!r}")
+    if name.startswith("cuda"):
+        # deterministic cuBLAS (must be set before the first CUDA call) and kernels, so that
+        # resuming reproduces the uninterrupted run on a GPU too
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available here (use --device cpu)")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path, Path]]:
+    """Complete checkpoints (sidecar + weights), newest first: (step, sidecar, weights)."""
+    out = []
+    for js in run_dir.glob("ckpt-*.json"):
+        st = js.with_suffix(".safetensors")
+        try:
+            step = int(js.stem.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if st.is_file():
+            out.append((step, js, st))
+    return sorted(out, reverse=True)
+
+
+def load_checkpoint(run_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """(sidecar, tensors) of the newest readable checkpoint, or None."""
+    from safetensors.torch import load_file
+
+    for _, js, st in list_checkpoints(run_dir):
+        try:
+            return json.loads(js.read_text()), load_file(str(st))
+        except Exception:  # noqa: BLE001 - a damaged file (torn write, bad header): use the one before
+            continue
+    return None
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def net_weights(source: str | Path, net: str) -> dict[str, torch.Tensor]:
+    """Weights of `net` from a run folder (EMA if that run trained it, else its model copy), an
+    exported weights folder (`<net>.safetensors`) or a .safetensors file."""
+    from safetensors.torch import load_file
+
+    p = Path(source)
+    if p.is_dir() and (p / f"{net}.safetensors").is_file():
+        return load_file(str(p / f"{net}.safetensors"))
+    if p.is_file() and p.suffix == ".safetensors":
+        return load_file(str(p))
+    if p.is_dir():
+        ck = load_checkpoint(p)
+        if ck is None:
+            raise InputError(f"{p}: no checkpoint in this run folder")
+        _, t = ck
+        for prefix in (f"ema.{net}.", f"model.{net}."):
+            sd = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+            if sd:
+                return sd
+        raise InputError(f"{p}: its checkpoints hold no {net} weights")
+    raise InputError(f"cannot read {net} weights from {p} (a run folder, weights folder or .safetensors)")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """One training run of a resolved recipe (see `recipe.py`) in `run_dir`."""
+
+    def __init__(self, recipe: dict[str, Any], run_dir: str | Path, *, device: str | None = "cpu",
+                 max_steps: int | None = None, progress: bool = True) -> None:
+        self.recipe = recipe
+        self.tr = recipe["train"]
+        self.run_dir = Path(run_dir)
+        self.device = resolve_device(device)
+        self.max_steps = max_steps
+        self.progress = progress
+        if self.tr["threads"]:
+            torch.set_num_threads(int(self.tr["threads"]))
+        self.task: Task = make_task(recipe, self.device)
+        for net, src in recipe["init"].items():
+            if src and net in self.task.nets:
+                self.task.nets[net].load_state_dict(net_weights(src, net))
+        self.task.after_init()
+        for name, net in self.task.nets.items():
+            net.to(self.device)
+            train = name in self.task.trainable
+            net.train(train)
+            net.requires_grad_(train)
+        self.named = [(f"{n}.{k}", p) for n in self.task.trainable
+                      for k, p in self.task.nets[n].named_parameters()]
+        self.opt = MuonAdamW(self.named, weight_decay=self.tr["weight_decay"], betas=tuple(self.tr["betas"]),
+                             momentum=self.tr["muon_momentum"], ns_bf16=self.tr["muon_bf16"])
+        self.ema = {k: p.detach().float().clone() for k, p in self.named}
+        self.step = 0
+        self.elapsed = 0.0
+        self._timing = (0.0, 0.0)
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        t: dict[str, torch.Tensor] = {}
+        for name, net in self.task.nets.items():
+            for k, v in net.state_dict().items():
+                t[f"model.{name}.{k}"] = v.detach().cpu().clone().contiguous()
+        for k, v in self.ema.items():
+            t[f"ema.{k}"] = v.detach().cpu().clone().contiguous()
+        for k, v in self.opt.state_tensors().items():
+            t[f"optim.{k}"] = v.clone()
+        return t
+
+    def save_checkpoint(self) -> Path:
+        from safetensors.torch import save
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"ckpt-{self.step:08d}"
+        weights = self.run_dir / f"{stem}.safetensors"
+        _atomic_write_bytes(weights, save(self.state_tensors()))
+        side = {"version": CKPT_VERSION, "step": self.step, "opt_t": self.opt.t,
+                "fingerprint": fingerprint(self.recipe), "stage": self.recipe["stage"],
+                "model": self.recipe["model"], "trainable": list(self.task.trainable),
+                "elapsed_s": round(self.elapsed, 3), "saved_at": time.time()}
+        _atomic_write_bytes(self.run_dir / f"{stem}.json", json.dumps(side, indent=1).encode())
+        for _, js, st in list_checkpoints(self.run_dir)[self.tr["keep"]:]:
+            js.unlink(missing_ok=True)
+            st.unlink(missing_ok=True)
+        return weights
+
+    def restore(self) -> bool:
+        ck = load_checkpoint(self.run_dir)
+        if ck is None:
+            return False
+        side, t = ck
+        if side.get("fingerprint") != fingerprint(self.recipe):
+            raise ConfigError(f"{self.run_dir}: its checkpoints were made with a different recipe "
+                              "(start a new --run-dir, or restore the recipe)")
+        for name, net in self.task.nets.items():
+            pre = f"model.{name}."
+            net.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
+        for k in self.ema:
+            self.ema[k].copy_(t[f"ema.{k}"])
+        self.opt.load_state_tensors({k[6:]: v for k, v in t.items() if k.startswith("optim.")},
+                                    side["opt_t"])
+        self.step = int(side["step"])
+        self.elapsed = float(side.get("elapsed_s", 0.0))
+        return True
+
+    # -- loop -------------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.tr["bf16"]:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    @torch.no_grad()
+    def _ema_update(self) -> None:
+        d = min(self.tr["ema"], (1 + self.step) / (10 + self.step))
+        for k, p in self.named:
+            self.ema[k].mul_(d).add_(p.detach().float(), alpha=1 - d)
+
+    def train_step(self) -> dict[str, float]:
+        """One optimiser step at self.step; returns the logged values."""
+        g = step_generator(self.tr["seed"], self.step)
+        lr = lr_at(self.step, lr=self.tr["lr"], warmup=self.tr["warmup"], total=self.tr["steps"],
+                   min_ratio=self.tr["min_lr_ratio"])
+        t0 = time.perf_counter()
+        with self._autocast():
+            loss, logs = self.task.loss(g)
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss at step {self.step}: {logs}")
+        loss.backward()
+        t1 = time.perf_counter()
+        if self.tr["grad_clip"] > 0:
+            gn = torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.tr["grad_clip"])
+            logs["grad_norm"] = float(gn)
+        self.opt.step(lr)
+        self.opt.zero_grad()
+        self._ema_update()
+        logs["lr"] = lr
+        self._timing = (t1 - t0, time.perf_counter() - t1)
+        return logs
+
+    def run(self, *, resume: bool = False) -> dict[str, Any]:
+        """Train until the recipe's `steps` (or `max_steps`); returns a summary dict."""
+        from avatarstream.train.plot import plot_losses
+
+        rd = self.run_dir
+        if list_checkpoints(rd) and not resume:
+            raise ConfigError(f"{rd} already holds checkpoints: pass --resume to continue, or another --run-dir")
+        resumed = self.restore() if resume else False
+        rd.mkdir(parents=True, exist_ok=True)
+        (rd / "recipe.json").write_text(json.dumps(self.recipe, indent=1, sort_keys=True))
+        log_path = rd / "log.jsonl"
+        if log_path.exists():  # drop lines logged after the checkpoint we continue from
+            keep = [ln for ln in log_path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln)["step"] < self.step]
+            _atomic_write_bytes(log_path, "".join(ln + "\n" for ln in keep).encode())
+        total = self.tr["steps"]
+        stop = total if self.max_steps is None else min(total, self.max_steps)
+        start = self.step
+        bar = None
+        if self.progress:
+            import sys
+
+            from tqdm import tqdm
+            bar = tqdm(total=stop, initial=start, desc=f"train {self.recipe['name']}", unit="step",
+                       file=sys.stderr, dynamic_ncols=True)
+        last_ckpt = time.monotonic()
+        step_times: list[float] = []
+        logs: dict[str, float] = {}
+        with open(log_path, "a") as log_f:
+            while self.step < stop:
+                t0 = time.perf_counter()
+                logs = self.train_step()
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                self.elapsed += dt
+                self.step += 1
+                row = {"step": self.step - 1, **{k: round(v, 6) for k, v in logs.items()},
+                       "step_s": round(dt, 4), "fwd_bwd_s": round(self._timing[0], 4),
+                       "opt_s": round(self._timing[1], 4), "time_s": round(self.elapsed, 2)}
+                log_f.write(json.dumps(row) + "\n")
+                log_f.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{logs['loss']:.4f}", s_per_step=f"{dt:.2f}")
+                due = (self.step % self.tr["checkpoint_every"] == 0
+                       or time.monotonic() - last_ckpt >= 60 * self.tr["checkpoint_minutes"]
+                       or self.step == stop)
+                if due:
+                    self.save_checkpoint()
+                    last_ckpt = time.monotonic()
+                    if self.step % max(1, self.tr["plot_every"]) == 0 or self.step == stop:
+                        log_f.flush()
+                        plot_losses(rd)
+        if bar is not None:
+            bar.close()
+        plots = plot_losses(rd)
+        rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()]
+        first = [r["loss"] for r in rows[: max(1, min(10, len(rows) // 5))]]
+        lastl = [r["loss"] for r in rows[-max(1, min(10, len(rows) // 5)):]]
+        summary = {"run_dir": str(rd), "recipe": self.recipe["name"], "stage": self.recipe["stage"],
+                   "model": self.recipe["model"], "device": str(self.device), "bf16": self.tr["bf16"],
+                   "resumed": resumed, "start_step": start, "step": self.step, "steps": total,
+                   "loss_first": round(sum(first) / max(1, len(first)), 5) if rows else None,
+                   "loss_last": round(sum(lastl) / max(1, len(lastl)), 5) if rows else None,
+                   "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4) if step_times else None,
+                   "params": {n: sum(p.numel() for p in self.task.nets[n].parameters())
+                              for n in self.task.trainable},
+                   "plots": [str(p) for p in plots]}
+        if self.step >= total:
+            (rd / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary

@@ -1,0 +1,249 @@
+"""Training: every recipe on tiny configs and a tiny synthetic dataset made here — the loss goes
+down, `--resume` continues bit for bit, export loads into the registry's model classes; Muon's
+update is orthogonalised; user mistakes are one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from avatarstream.train.data import FRAME_KEYS, PreparedData, clip_bytes, motion_descriptor, prepare
+from avatarstream.train.optim import MuonAdamW, is_muon_param, newton_schulz
+from avatarstream.train.recipe import load_recipe
+from avatarstream.train.tasks import build_nets, init_net
+from avatarstream.train.trainer import Trainer, list_checkpoints
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The CI box is a shared 2-core CPU: tiny matmuls are far faster on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> dict[str, Path]:
+    """2 identities x 2 scenes x 1 s at 64 px, and its prepared file (random tiny VAE)."""
+    from avatarstream.data.generate import DatasetConfig, generate
+
+    d = tmp_path_factory.mktemp("train-data")
+    generate(DatasetConfig(identities=2, clips_per_identity=2, seconds=1.0, size=64), d / "synth")
+    vae = build_nets("tiny")["vae"]
+    init_net("vae", vae, 0)
+    summary = prepare(d / "synth", vae, d / "prep.safetensors", lr_size=32, hr_size=64)
+    return {"shards": d / "synth", "prepared": d / "prep.safetensors", "summary": summary, "dir": d}
+
+
+def recipe(name: str, dataset: dict, **over: object) -> dict:
+    sets = [f'data.shards="{dataset["shards"]}"', f'data.prepared="{dataset["prepared"]}"']
+    sets += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else v}" for k, v in over.items()]
+    return load_recipe(RECIPES / f"{name}.toml", sets)
+
+
+def run(name: str, dataset: dict, run_dir: Path, *, max_steps: int | None = None, resume: bool = False,
+        **over: object) -> Trainer:
+    t = Trainer(recipe(name, dataset, **over), run_dir, max_steps=max_steps, progress=False)
+    t.run(resume=resume)
+    return t
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(ln)["loss"] for ln in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+FAST = {"vae-tiny": {"vae__crop": 32, "train__batch": 2},
+        "a2v-tiny": {"train__batch": 2},
+        "sr-tiny": {"train__batch": 2},
+        "cfg-distill-tiny": {"train__batch": 2}}
+STEPS = {"vae-tiny": 30, "a2v-tiny": 60, "sr-tiny": 40, "cfg-distill-tiny": 30}  # seconds each on one core
+ALL = list(STEPS)
+
+
+def needs(name: str, runs: dict[str, Path]) -> dict[str, str]:
+    """[init] overrides: sr and cfg-distill start from the a2v run (audio/text; cfg: the DiT too)."""
+    if name == "sr-tiny":
+        return {"init__audio": str(runs["a2v-tiny"]), "init__text": str(runs["a2v-tiny"])}
+    if name == "cfg-distill-tiny":
+        return {f"init__{n}": str(runs["a2v-tiny"]) for n in ("dit", "audio", "text")}
+    return {}
+
+
+@pytest.fixture(scope="module")
+def trained(dataset, tmp_path_factory) -> dict[str, Path]:
+    """Each tiny recipe trained for STEPS steps (shared by the loss and export tests)."""
+    out = {}
+    root = tmp_path_factory.mktemp("runs")
+    for name in ALL:
+        extra = needs(name, out)
+        run(name, dataset, root / name, train__steps=STEPS[name], train__checkpoint_every=10, **FAST[name],
+            **extra)
+        out[name] = root / name
+    return out
+
+
+# -- optimiser ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (48, 48)])
+def test_newton_schulz_orthogonalises(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    if shape[0] == shape[1]:  # well-conditioned square matrix (a random square one has sigma_min ~ 0)
+        q, _ = torch.linalg.qr(g)
+        g = q @ torch.diag(torch.linspace(0.1, 3.0, shape[0])) @ q.T
+    s = torch.linalg.svdvals(newton_schulz(g))
+    assert s.min() > 0.6 and s.max() < 1.25, s
+    assert abs(float(s.mean()) - 1.0) < 0.2  # the quintic settles in ~[0.68, 1.13], not at 1
+
+
+def test_muon_update_is_orthogonal_and_groups_are_right():
+    nets = build_nets("tiny")
+    named = [(f"dit.{k}", p) for k, p in nets["dit"].named_parameters()]
+    groups = {k for k, p in named if is_muon_param(k.split(".", 1)[1], p)}
+    assert "dit.blocks.0.self_attn.q.weight" in groups and "dit.blocks.1.ffn.2.weight" in groups
+    for k in ("dit.patch_embedding.weight", "dit.blocks.0.modulation", "dit.blocks.0.self_attn.q.bias",
+              "dit.head.head.weight", "dit.text_embedding.0.weight", "dit.blocks.0.norm3.weight"):
+        assert k not in groups, k
+    w = torch.nn.Parameter(torch.randn(32, 64))
+    opt = MuonAdamW([("net.blocks.0.w.weight", w)], weight_decay=0.0, momentum=0.0)
+    assert opt.muon == {"net.blocks.0.w.weight"}
+    before = w.detach().clone()
+    w.grad = torch.randn(32, 64)
+    opt.step(lr=0.01)
+    delta = (before - w.detach()) / (0.01 * opt.muon_scale * 64 ** 0.5)
+    s = torch.linalg.svdvals(delta)
+    assert s.min() > 0.6 and s.max() < 1.25
+
+
+# -- data ---------------------------------------------------------------------------------------
+def test_prepared_file_layout(dataset):
+    data = PreparedData(dataset["prepared"])
+    s = dataset["summary"]
+    assert s["clips"] == 4 and s["identities"] == 2
+    c = data.clips[0]
+    assert data.lr.shape[1:] == (4, 4, 4) and data.hr.shape[1:] == (4, 8, 8)
+    assert c["latents"] == 1 + (c["frames"] - 1) // 4 and data.table(0).shape == (c["frames"], len(FRAME_KEYS))
+    # every clip's identity has another scene: cross-scene references exist
+    j, cross = data.other_scene(0, torch.Generator().manual_seed(0))
+    assert cross and data.clips[j]["identity"] == c["identity"] and data.clips[j]["scene"] != c["scene"]
+    per_clip = clip_bytes(4, 4, 1.0)
+    assert s["bytes_per_clip"] < 2 * per_clip + 4096
+    m = motion_descriptor(data.table(0), torch.arange(3), 16)
+    assert m.shape == (3, 16) and torch.all(m[:, 12:] == 0) and m[:, :3].abs().max() < 5
+
+
+# -- every recipe -------------------------------------------------------------------------------
+def held_out_loss(t: Trainer) -> float:
+    """Mean loss over 6 fixed batches (generators of steps the run never draws), no grad."""
+    from avatarstream.train.trainer import step_generator
+
+    with torch.no_grad(), t._autocast():
+        return sum(float(t.task.loss(step_generator(99, 10_000 + i))[0]) for i in range(6)) / 6
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_loss_goes_down(trained, dataset, name):
+    ls = losses(trained[name])
+    assert len(ls) == STEPS[name]
+    assert sum(ls[-10:]) < sum(ls[:10])  # training loss (noisy: random sigma, batch 2)
+    extra = needs(name, trained)
+    t = Trainer(recipe(name, dataset, train__steps=STEPS[name], train__checkpoint_every=10, **FAST[name],
+                       **extra),
+                trained[name], progress=False)
+    before = held_out_loss(t)  # initial weights
+    t.restore()
+    after = held_out_loss(t)
+    assert after < 0.85 * before, (before, after)
+    assert len(list_checkpoints(trained[name])) == 2  # keep = 2
+    assert (trained[name] / "plots" / "loss.png").stat().st_size > 1000
+
+
+def _state(t: Trainer) -> dict[str, torch.Tensor]:
+    return t.state_tensors()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_resume_is_bit_for_bit(trained, dataset, tmp_path, name):
+    over = dict(FAST[name], train__steps=6, train__checkpoint_every=100, **needs(name, trained))
+    straight = run(name, dataset, tmp_path / "straight", **over)
+    run(name, dataset, tmp_path / "split", max_steps=3, **over)  # "killed" after its step-3 checkpoint
+    assert [c[0] for c in list_checkpoints(tmp_path / "split")] == [3]
+    with open(tmp_path / "split" / "log.jsonl", "a") as f:  # a line logged after the checkpoint
+        f.write(json.dumps({"step": 3, "loss": 123.0}) + "\n")
+    resumed = run(name, dataset, tmp_path / "split", resume=True, **over)
+    a, b = _state(straight), _state(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert losses(tmp_path / "straight") == losses(tmp_path / "split")
+
+
+def test_damaged_checkpoint_falls_back_and_resume_needs_same_recipe(dataset, tmp_path):
+    from avatarstream.errors import ConfigError
+
+    over = dict(FAST["a2v-tiny"], train__steps=4, train__checkpoint_every=2)
+    run("a2v-tiny", dataset, tmp_path / "r", **over)
+    (tmp_path / "r" / "ckpt-00000004.safetensors").write_bytes(b"\0" * 10)  # torn write
+    t = Trainer(recipe("a2v-tiny", dataset, **over), tmp_path / "r", progress=False)
+    assert t.restore() and t.step == 2
+    with pytest.raises(ConfigError):
+        run("a2v-tiny", dataset, tmp_path / "r")  # checkpoints present, no --resume
+    with pytest.raises(ConfigError):
+        run("a2v-tiny", dataset, tmp_path / "r", resume=True, **dict(over, a2v__motion=0.9))
+
+
+# -- export ---------------------------------------------------------------------------------------
+def test_export_loads_into_registry(trained, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from avatarstream import registry
+    from avatarstream.train.export import export, load_exported, model_spec
+
+    out = tmp_path / "weights" / "tiny-trained"
+    s = export([trained["cfg-distill-tiny"], trained["a2v-tiny"], trained["sr-tiny"], trained["vae-tiny"]], out)
+    assert set(s["trained"]) == {"dit", "audio", "text", "refiner", "vae"} and not s["untrained"]
+    assert s["trained"]["dit"] == str(trained["cfg-distill-tiny"]) and s["trained"]["audio"] == str(trained["a2v-tiny"])
+    nets = load_exported(out)  # strict load into the model classes
+    ck = load_file(str(sorted((trained["cfg-distill-tiny"]).glob("ckpt-*.safetensors"))[-1]))
+    sd = nets["dit"].state_dict()
+    assert torch.equal(sd["blocks.0.self_attn.q.weight"], ck["ema.dit.blocks.0.self_attn.q.weight"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"] == "tiny" and cfg["pipeline"]["hr_size"] == 64
+    monkeypatch.setitem(registry.MODELS, "tiny-trained", model_spec(out))
+    ms = registry.load_model("tiny-trained")
+    assert torch.equal(ms.vae.model.state_dict()["quant_conv.weight"],
+                       load_file(str(out / "vae.safetensors"))["quant_conv.weight"])
+
+
+# -- command line ---------------------------------------------------------------------------------
+def test_cli_user_errors(tmp_path, capsys, dataset):
+    from avatarstream.cli import main
+
+    assert main(["train", "no-such-recipe"]) == 2
+    assert "no recipe 'no-such-recipe'" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text('stage = "a2v"\nmodel = "tiny"\n[a2v]\nchunkk = 4\n')
+    assert main(["train", str(bad)]) == 2
+    assert "unknown key(s) in [a2v]: chunkk" in capsys.readouterr().err
+    assert main(["train", "export", str(tmp_path), "--out", str(tmp_path / "w")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert main(["train", "a2v-tiny", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device" in err
+
+
+def test_cli_train_runs_a_recipe(tmp_path, capsys, dataset):
+    from avatarstream.cli import main
+
+    rd = tmp_path / "run"
+    args = ["train", "sr-tiny", "--run-dir", str(rd), "--max-steps", "2", "--no-progress",
+            "--set", f'data.prepared="{dataset["prepared"]}"', "--json"]
+    assert main(args) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["step"] == 2 and s["stage"] == "sr"
+    assert main(args[:-1] + ["--resume", "--max-steps", "3"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
