@@ -49,6 +49,7 @@ def test_ground_truth_in_sync_and_shift_detected(case):
     sh = sync_scores(sync_distances(ex, tr.mouths, late))
     assert abs(sh["offset_frames"] - (-10)) <= 1, sh  # syncnet_python sign: late audio -> negative
     assert sh["sync_c"] < gt["sync_c"], (gt, sh)
+    assert sh["sync_d"] > gt["sync_d"] + 0.01, (gt, sh)  # the best alignment is worse: frames pushed out
 
 
 def test_static_frame_scores_clearly_worse_on_sync(case):
