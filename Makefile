@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+REAL := $(VENV)/.installed-real
 
 .PHONY: demo test venv sysdeps clean
 
@@ -28,7 +29,13 @@ sysdeps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q espeak-ng flite; }
 
-test: $(STAMP) sysdeps
+# The tests also cover the optional real-face metrics (dlib; ~120 MB with its models): installed
+# for `make test` only, so `make demo` stays a small install.
+$(REAL): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,real]'
+	touch $(REAL)
+
+test: $(STAMP) $(REAL) sysdeps
 	$(PY) -m pytest -q
 
 clean:

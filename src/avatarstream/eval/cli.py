@@ -1,6 +1,6 @@
 """`avatarstream eval`: arguments and run() (the top-level CLI prints the returned summary).
 
-    avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--out DIR] --json
+    avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--real] [--out DIR] --json
     avatarstream eval benchmark --model NAME --split heldout-identity|heldout-voice [--seconds S] [--clips N] [--seed X] [--out DIR] --json
 """
 
@@ -14,12 +14,12 @@ import numpy as np
 
 from avatarstream.errors import InputError
 
-USAGE = """avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--out DIR] [--json]
+USAGE = """avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--real] [--out DIR] [--json]
        avatarstream eval benchmark --model NAME --split {heldout-identity,heldout-voice} [--seconds S] [--clips N] [--seed X] [--out DIR] [--json]"""
 
 STABLE_KEYS = ("sync_c", "sync_d", "offset_frames", "face_sim", "style_error", "silence_mouth_closed",
                "boundary_smoothness", "psnr", "fps", "ttff_s", "model", "split", "seed", "clips")
-_VIDEO_ONLY = ("reference", "audio", "ground_truth", "chunk_frames")
+_VIDEO_ONLY = ("reference", "audio", "ground_truth", "chunk_frames", "real")
 _BENCH_ONLY = ("model", "split", "seconds", "clips", "seed")
 
 
@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--audio", help="the driving speech (default: the video's own audio track)")
     g.add_argument("--ground-truth", help="ground-truth video for PSNR/SSIM")
     g.add_argument("--chunk-frames", type=int, help="chunk length in frames, for boundary smoothness")
+    g.add_argument("--real", action="store_true", default=None,
+                   help="also score real faces with dlib (the *_real keys; needs pip install 'avatarstream[real]')")
     b = p.add_argument_group("benchmark")
     b.add_argument("--model", help="registry model, or the baselines ground-truth / static-frame")
     b.add_argument("--split", choices=["heldout-identity", "heldout-voice"])
@@ -93,6 +95,12 @@ def run_video(args: argparse.Namespace) -> dict[str, Any]:
     if audio.size == 0:
         raise InputError(f"no audio: {args.audio or args.video} has no audio track; pass --audio WAV")
     ref = load_reference(args.reference, size=256, max_frames=250).frames.permute(0, 2, 3, 1).numpy()
+    real = ref_desc = None
+    if args.real:  # before the expert metrics: a missing extra or a faceless reference fails fast
+        from avatarstream.eval.real import RealFaceExperts, reference_descriptor
+
+        real = RealFaceExperts().load()
+        ref_desc = reference_descriptor(real, ref)
     gt = _read_video(args.ground_truth) if args.ground_truth else None
     ex = load_experts(args.experts)
     starts = list(range(0, len(frames), args.chunk_frames)) if args.chunk_frames else None
@@ -107,6 +115,12 @@ def run_video(args: argparse.Namespace) -> dict[str, Any]:
         a, b = ev.tracks["mouth_open"], gt_ev.tracks["mouth_open"]
         k = min(len(a), len(b))
         result["mouth_open_corr_gt"] = float(np.corrcoef(a[:k], b[:k])[0, 1]) if k > 2 and a[:k].std() > 0 and b[:k].std() > 0 else None
+    if real is not None:
+        from avatarstream.eval.real import evaluate_real
+
+        rv = evaluate_real(frames, audio=audio, ex=real, ref_desc=ref_desc)
+        mar = [round(float(v), 4) if np.isfinite(v) else None for v in rv.tracks["mouth_open_real"]]
+        result.update(rv.metrics, mouth_open_real={"frame": rv.tracks["mouth_open_real_idx"].tolist(), "mar": mar})
     out = Path(args.out) if args.out else Path(str(args.video) + ".eval")
     cases = [{"name": "video", "metrics": m, "drift": ev.drift}]
     if not args.no_plots:
