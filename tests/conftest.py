@@ -9,6 +9,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+import torch
 
 from avatarstream.bench.inputs import face_image, speechlike, write_png, write_wav
 
@@ -61,3 +62,13 @@ def media(tmp_path_factory) -> dict[str, Path]:
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "avatarstream.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: on a shared 2-core CPU, threads only add contention to the
+    tiny matmuls of tiny configs (use with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

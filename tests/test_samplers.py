@@ -66,13 +66,7 @@ def mixture_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return frac, mu, cov
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny 2-D batches: threads only add contention on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,7 @@ from avatarstream.train.trainer import Trainer, list_checkpoints
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The CI box is a shared 2-core CPU: tiny matmuls are far faster on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
