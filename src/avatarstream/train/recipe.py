@@ -36,7 +36,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "keep": 2, "plot_every": 100, "threads": 0},
     "data": {"shards": "", "prepared": "", "max_clips": 0},
     "init": {"dit": "", "refiner": "", "vae": "", "audio": "", "text": ""},
-    "vae": {"latent_frames": 3, "crop": 128, "p_lr": 0.5, "kl": 1e-4, "grad": 0.5, "multiscale": 0.5,
+    "vae": {"latent_frames": 3, "warm_latents": 0, "p_stream_start": 0.25, "crop": 128, "p_lr": 0.5, "kl": 1e-4, "grad": 0.5, "multiscale": 0.5,
             "temporal": 0.25, "mouth": 4.0, "eyes": 2.0, "radius": 0.06},
     "a2v": {"chunk": 8, "ref_frames": 8, "p_ref2v": 0.4, "p_prefix": 0.4, "p_interp": 0.2, "overlap": 2,
             "logit_mean": 0.0, "logit_std": 1.0, "motion": 0.5, "ref_motion": 0.1, "mouth": 2.0,
