@@ -12,7 +12,7 @@ from typing import Any
 
 _WHERE = {
     "Clip": "clip", "ClipSpec": "clip", "render_reference": "clip",
-    "FaceState": "features", "DatasetConfig": "generate", "clip_specs": "generate", "generate": "generate",
+    "FaceState": "features", "DatasetConfig": "generate", "clip_specs": "generate",
     "Identity": "identity", "AvatarRenderer": "render", "Scene": "scene",
     "ShardReader": "shards", "ShardWriter": "shards",
     "derive_seed": "splits", "identity_seeds": "splits", "is_heldout_identity": "splits", "voices_for": "splits",

@@ -21,10 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scene", type=int, help="one scene seed for every clip")
     p.add_argument("--size", type=int, default=256, help="frame size in pixels (square)")
     p.add_argument("--shard-size", type=int, default=64, help="clips per shard folder")
+    p.add_argument("--workers", type=int, default=1, help="processes rendering clips (one core each)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = DatasetConfig(identities=args.identities, clips_per_identity=args.clips_per_identity,
                         seconds=args.seconds, seed=args.seed, split=args.split, size=args.size,
                         voice=args.voice, scene=args.scene)
-    return generate(cfg, Path(args.out), shard_size=args.shard_size, progress=not args.json)
+    return generate(cfg, Path(args.out), shard_size=args.shard_size, workers=args.workers, progress=not args.json)

@@ -76,6 +76,20 @@ def read_pcm(path: str | Path) -> tuple[np.ndarray, int]:
         return np.concatenate(parts).astype(np.float32) / 32768.0, int(st.rate)
 
 
+def write_clip(root: Path, shard: str, clip: Clip) -> dict[str, Any]:
+    """Render and write one clip's files into `root/shard/`; returns its index entry."""
+    d = root / shard
+    d.mkdir(exist_ok=True)
+    key = clip.spec.key
+    n = write_video(d / f"{key}.mkv", clip.iter_frames(), clip.spec.size)
+    write_pcm(d / f"{key}.wav", clip.audio)
+    (d / f"{key}.json").write_text(clip.annotations_json())
+    return {"key": key, "shard": shard, "identity": clip.spec.identity, "scene": clip.spec.scene,
+            "voice": clip.spec.voice, "language": clip.voice.language, "seed": clip.spec.seed,
+            "split": clip.spec.split, "size": clip.spec.size, "frames": n, "seconds": clip.seconds,
+            "text": clip.annotations["text"]}
+
+
 @dataclass
 class Record:
     """One clip read back: frames [F, S, S, 3] uint8, audio [N] float32, annotations, index entry."""
@@ -109,20 +123,19 @@ class ShardWriter:
         self.close()
 
     def write(self, clip: Clip) -> dict[str, Any]:
-        shard = f"shard-{len(self.entries) // self.shard_size:05d}"
-        d = self.root / shard
-        d.mkdir(exist_ok=True)
-        key = clip.spec.key
-        n = write_video(d / f"{key}.mkv", clip.iter_frames(), clip.spec.size)
-        write_pcm(d / f"{key}.wav", clip.audio)
-        (d / f"{key}.json").write_text(clip.annotations_json())
-        entry = {"key": key, "shard": shard, "identity": clip.spec.identity, "scene": clip.spec.scene,
-                 "voice": clip.spec.voice, "language": clip.voice.language, "seed": clip.spec.seed,
-                 "split": clip.spec.split, "size": clip.spec.size, "frames": n, "seconds": clip.seconds,
-                 "text": clip.annotations["text"]}
+        """Write one clip into the next slot; returns its index entry."""
+        entry = write_clip(self.root, self.shard_of(len(self.entries)), clip)
+        self.add(entry)
+        return entry
+
+    def shard_of(self, position: int) -> str:
+        """Shard folder name of the clip at `position` in the index."""
+        return f"shard-{position // self.shard_size:05d}"
+
+    def add(self, entry: dict[str, Any]) -> None:
+        """Append the entry of a clip already written (by `write_clip`, maybe in another process)."""
         self.entries.append(entry)
         self._write_index()
-        return entry
 
     def _write_index(self) -> None:
         tmp = self.root / "index.json.tmp"
