@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -162,7 +161,7 @@ class Clip:
         """All frames [F, S, S, 3] uint8."""
         return np.stack(list(self.iter_frames()))
 
-    @cached_property
+    @property
     def seconds(self) -> float:
         return self.spec.frames / FPS
 
