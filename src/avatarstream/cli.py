@@ -189,6 +189,7 @@ SUBCOMMANDS = {
     "train": ("avatarstream.train.cli", "train a recipe, pre-encode training data, export weights", "USAGE"),
     "eval": ("avatarstream.eval.cli", "score a video (Sync-C/D, FaceSim, style, silence, seams, PSNR) "
              "or benchmark a model on held-out synthetic cases", None),
+    "serve": ("avatarstream.serve.cli", "HTTP + WebSocket server for live avatar sessions (HLS out)", None),
 }
 
 

@@ -1,0 +1,138 @@
+"""AvatarStore: uploaded references, prepared once, kept across sessions and restarts.
+
+Metadata lives in SQLite (`avatars.sqlite` in the data folder); the prepared reference frames
+(decoded, cropped and resized to the model's resolution: [F, 3, H, W] uint8) in a safetensors
+file named by the avatar's id. Ids are generated here (random hex), never taken from a client as
+a path. An avatar belongs to the API key that created it: a lookup with another key finds
+nothing (the server answers 404, so ids of others cannot even be confirmed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import torch
+from safetensors.torch import load_file, save_file
+
+from avatarstream.errors import InputError
+from avatarstream.media.reference import load_reference
+
+_ID = re.compile(r"^[0-9a-f]{24}$")
+
+# Accepted upload types -> file suffix load_reference understands.
+UPLOAD_TYPES = {
+    "image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp",
+    "video/mp4": ".mp4", "video/quicktime": ".mov", "video/webm": ".webm",
+    "video/x-matroska": ".mkv",
+}
+
+
+class UnsupportedUploadError(InputError):
+    """The upload's Content-Type is not an image or video type the server reads (HTTP 415)."""
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    max_bytes: int = 50 * 1024 * 1024
+    max_seconds: float = 60.0  # reference videos longer than this are refused
+
+
+@dataclass(frozen=True)
+class Avatar:
+    id: str
+    created: float
+    frames: int
+    size: int
+    is_image: bool
+    content_type: str
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "created": self.created, "frames": self.frames, "size": self.size,
+                "is_image": self.is_image, "content_type": self.content_type}
+
+
+def key_fingerprint(api_key: str) -> str:
+    """What the store keeps of an API key (never the key itself)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+class AvatarStore:
+    def __init__(self, data_dir: str | Path, *, size: int, max_frames: int,
+                 limits: UploadLimits | None = None) -> None:
+        self.dir = Path(data_dir) / "avatars"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.size, self.max_frames = size, max_frames
+        self.limits = limits or UploadLimits()
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(Path(data_dir) / "avatars.sqlite"), check_same_thread=False)
+        with self._db:
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS avatars (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
+                "created REAL NOT NULL, frames INTEGER NOT NULL, size INTEGER NOT NULL, "
+                "is_image INTEGER NOT NULL, content_type TEXT NOT NULL)")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def create(self, api_key: str, data: bytes, content_type: str) -> Avatar:
+        """Check the upload, prepare the reference frames once, store them; raises InputError."""
+        ctype = content_type.split(";")[0].strip().lower()
+        if ctype not in UPLOAD_TYPES:
+            raise UnsupportedUploadError(f"unsupported upload type {content_type!r}; send one of "
+                             f"{', '.join(sorted(UPLOAD_TYPES))} as the Content-Type")
+        if not data:
+            raise InputError("the upload is empty; send the reference image or video as the body")
+        if len(data) > self.limits.max_bytes:
+            raise InputError(f"the upload is {len(data)} bytes; the limit is "
+                             f"{self.limits.max_bytes} bytes")
+        avatar_id = secrets.token_hex(12)
+        tmp = self.dir / f"{avatar_id}.upload{UPLOAD_TYPES[ctype]}"
+        try:
+            tmp.write_bytes(data)
+            if ctype.startswith("video/"):
+                self._check_duration(tmp)
+            ref = load_reference(tmp, size=self.size, max_frames=self.max_frames)
+            save_file({"frames": ref.frames.contiguous()}, str(self.dir / f"{avatar_id}.safetensors"))
+        finally:
+            tmp.unlink(missing_ok=True)
+        avatar = Avatar(avatar_id, time.time(), int(ref.frames.shape[0]), self.size,
+                        ref.is_image, ctype)
+        with self._lock, self._db:
+            self._db.execute("INSERT INTO avatars VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (avatar.id, key_fingerprint(api_key), avatar.created, avatar.frames,
+                              avatar.size, int(avatar.is_image), avatar.content_type))
+        return avatar
+
+    def _check_duration(self, path: Path) -> None:
+        try:
+            with av.open(str(path)) as c:
+                seconds = c.duration / 1e6 if c.duration else 0.0
+        except (av.FFmpegError, OSError, ValueError) as e:
+            raise InputError(f"the upload is not a readable video ({e})") from e
+        if seconds > self.limits.max_seconds:
+            raise InputError(f"the reference video is {seconds:.1f} s long; the limit is "
+                             f"{self.limits.max_seconds:g} s (a few seconds are enough)")
+
+    def get(self, api_key: str, avatar_id: str) -> Avatar | None:
+        """The avatar if it exists and belongs to `api_key`, else None."""
+        if not _ID.match(avatar_id):
+            return None
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id, created, frames, size, is_image, content_type FROM avatars "
+                "WHERE id = ? AND owner = ?", (avatar_id, key_fingerprint(api_key))).fetchone()
+        if row is None:
+            return None
+        return Avatar(row[0], row[1], row[2], row[3], bool(row[4]), row[5])
+
+    def frames(self, avatar: Avatar) -> torch.Tensor:
+        """The prepared reference frames [F, 3, H, W] uint8."""
+        return load_file(str(self.dir / f"{avatar.id}.safetensors"))["frames"]
