@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REAL := $(VENV)/.installed-real
+SERVE := $(VENV)/.installed-serve
 
 .PHONY: demo test venv sysdeps clean
 
@@ -23,11 +24,14 @@ demo: $(STAMP)
 	$(VENV)/bin/avatarstream generate --reference examples/reference.png --audio examples/speech.mp3 --out out/demo.mp4
 	@echo "wrote out/demo.mp4"
 
-# System packages the tests need (speech synthesis for the synthetic data domain).
+# System packages the tests need: speech synthesis (the synthetic data domain and the live
+# sessions' TTS) and Debian's chromium for the browser test (Playwright drives it; its own
+# browser download is never used).
 sysdeps:
-	@command -v espeak-ng >/dev/null 2>&1 && command -v flite >/dev/null 2>&1 || { \
+	@command -v espeak-ng >/dev/null 2>&1 && command -v flite >/dev/null 2>&1 \
+	  && command -v chromium >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q espeak-ng flite; }
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q espeak-ng flite chromium; }
 
 # The tests also cover the optional real-face metrics (dlib; ~120 MB with its models): installed
 # for `make test` only, so `make demo` stays a small install.
@@ -35,7 +39,12 @@ $(REAL): $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,real]'
 	touch $(REAL)
 
-test: $(STAMP) $(REAL) sysdeps
+# Live sessions (aiortc) and the browser test's driver (Playwright, Python package only).
+$(SERVE): $(REAL)
+	$(PY) -m pip install -q -e '.[dev,real,serve,browser]'
+	touch $(SERVE)
+
+test: $(STAMP) $(REAL) $(SERVE) sysdeps
 	$(PY) -m pytest -q
 
 clean:

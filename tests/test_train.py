@@ -56,7 +56,7 @@ FAST = {"vae-tiny": {"vae__crop": 32, "train__batch": 2},
         "a2v-tiny": {"train__batch": 2},
         "sr-tiny": {"train__batch": 2},
         "cfg-distill-tiny": {"train__batch": 2}}
-STEPS = {"vae-tiny": 30, "a2v-tiny": 60, "sr-tiny": 40, "cfg-distill-tiny": 30}  # seconds each on one core
+STEPS = {"vae-tiny": 30, "a2v-tiny": 60, "sr-tiny": 60, "cfg-distill-tiny": 30}  # seconds each on one core
 ALL = list(STEPS)
 
 
@@ -117,6 +117,21 @@ def test_muon_update_is_orthogonal_and_groups_are_right():
 def test_prepared_file_layout(dataset):
     data = PreparedData(dataset["prepared"])
     s = dataset["summary"]
+    # latents stored at unit scale per channel; the file's VAE (stats folded in) encodes to them
+    both = torch.cat([data.lr.transpose(0, 1).flatten(1), data.hr.transpose(0, 1).flatten(1)], 1)
+    assert both.mean(1).abs().max() < 0.02 and (both.std(1) - 1).abs().max() < 0.02
+    from avatarstream.data.shards import ShardReader
+    from avatarstream.train.data import encode_video
+
+    vae = build_nets("tiny")["vae"]
+    vae.load_state_dict(data.vae_state)
+    reader = ShardReader(dataset["shards"])
+    rec = reader.load(next(e for e in reader.entries() if e["key"] == data.clips[0]["key"]))
+    n = data.clips[0]["frames"]
+    video = torch.from_numpy(rec.frames[:n]).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)[None]
+    z = encode_video(vae.eval(), video)[0].permute(1, 0, 2, 3)
+    stored = data.hr[: data.clips[0]["latents"]]
+    assert (z - stored).abs().max() < 0.02  # float16 storage
     assert s["clips"] == 4 and s["identities"] == 2
     c = data.clips[0]
     assert data.lr.shape[1:] == (4, 4, 4) and data.hr.shape[1:] == (4, 8, 8)
@@ -125,7 +140,8 @@ def test_prepared_file_layout(dataset):
     j, cross = data.other_scene(0, torch.Generator().manual_seed(0))
     assert cross and data.clips[j]["identity"] == c["identity"] and data.clips[j]["scene"] != c["scene"]
     per_clip = clip_bytes(4, 4, 1.0)
-    assert s["bytes_per_clip"] < 2 * per_clip + 4096
+    vae_bytes = sum(v.numel() * v.element_size() for v in data.vae_state.values())
+    assert s["bytes_per_clip"] < 2 * per_clip + 4096 + vae_bytes / s["clips"]
     m = motion_descriptor(data.table(0), torch.arange(3), 16)
     assert m.shape == (3, 16) and torch.all(m[:, 12:] == 0) and m[:, :3].abs().max() < 5
 
@@ -191,15 +207,20 @@ def test_damaged_checkpoint_falls_back_and_resume_needs_same_recipe(dataset, tmp
 
 
 # -- export ---------------------------------------------------------------------------------------
-def test_export_loads_into_registry(trained, tmp_path, monkeypatch):
+def test_export_loads_into_registry(trained, dataset, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from avatarstream import registry
     from avatarstream.train.export import export, load_exported, model_spec
 
     out = tmp_path / "weights" / "tiny-trained"
-    s = export([trained["cfg-distill-tiny"], trained["a2v-tiny"], trained["sr-tiny"], trained["vae-tiny"]], out)
+    runs = [trained["cfg-distill-tiny"], trained["a2v-tiny"], trained["sr-tiny"], trained["vae-tiny"]]
+    s = export(runs, out, dtype="fp32")
     assert set(s["trained"]) == {"dit", "audio", "text", "refiner", "vae"} and not s["untrained"]
+    # the VAE is the one the latent runs' prepared file was made with (latent statistics folded in)
+    prep = load_file(str(dataset["prepared"]))
+    assert s["trained"]["vae"] == str(dataset["prepared"])
+    assert torch.equal(load_file(str(out / "vae.safetensors"))["quant_conv.bias"], prep["vae.quant_conv.bias"])
     assert s["trained"]["dit"] == str(trained["cfg-distill-tiny"]) and s["trained"]["audio"] == str(trained["a2v-tiny"])
     nets = load_exported(out)  # strict load into the model classes
     ck = load_file(str(sorted((trained["cfg-distill-tiny"]).glob("ckpt-*.safetensors"))[-1]))
@@ -211,6 +232,11 @@ def test_export_loads_into_registry(trained, tmp_path, monkeypatch):
     ms = registry.load_model("tiny-trained")
     assert torch.equal(ms.vae.model.state_dict()["quant_conv.weight"],
                        load_file(str(out / "vae.safetensors"))["quant_conv.weight"])
+    # default storage: bf16, half the bytes, loads into the same classes
+    s16 = export(runs, tmp_path / "w16")
+    assert s16["bytes"] < 0.55 * s["bytes"]
+    w16 = load_exported(tmp_path / "w16")["dit"].state_dict()["blocks.0.self_attn.q.weight"]
+    assert torch.equal(w16, sd["blocks.0.self_attn.q.weight"].bfloat16().float())
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -241,3 +267,26 @@ def test_cli_train_runs_a_recipe(tmp_path, capsys, dataset):
     assert s["step"] == 2 and s["stage"] == "sr"
     assert main(args[:-1] + ["--resume", "--max-steps", "3"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
+
+
+def test_human_losses_reach_the_dit(dataset, tmp_path):
+    """Expert losses on decoded x̂0: finite, bounded cosine distances; the gradient reaches the
+    DiT; the ground truth itself scores better on identity than a random DiT's estimate."""
+    t = Trainer(recipe("a2v-tiny", dataset, a2v__human_sync=0.1, a2v__human_identity=0.1, train__batch=2,
+                       train__steps=4),
+                tmp_path / "h", progress=False)
+    task = t.task
+    b = task.batch(torch.Generator().manual_seed(5))
+    out, _ = task.predict(task.nets["dit"], b)
+    sync, ident = task.human_losses(b, out.velocity)
+    assert 0 <= float(sync.detach()) <= 2 and 0 <= float(ident.detach()) <= 2
+    (sync + ident).backward()
+    assert sum(float(p.grad.abs().sum()) for p in task.nets["dit"].parameters() if p.grad is not None) > 0
+    i, p0 = b["clips"][0], b["starts"][0]
+    k = min(4, p0)
+    ctx = task.data.latents(i, p0 - k, k)[None] if k else None
+    _, ident_gt = task.human(b["x0"][:1], b["x0"][:1], ctx, p0, task.data.wave_of(i))
+    assert float(ident_gt) < float(ident.detach())
+    t.run()
+    logs = [json.loads(ln) for ln in (tmp_path / "h" / "log.jsonl").read_text().splitlines()]
+    assert all("human_sync" in r and "human_identity" in r for r in logs)  # p_human = 1

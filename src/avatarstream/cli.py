@@ -21,9 +21,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", required=True, help="video (mp4/mov/webm/mkv) or image (png/jpg/webp)")
     p.add_argument("--audio", required=True, help="speech: wav/mp3/flac/ogg/m4a, any rate, mono or stereo")
     p.add_argument("--out", required=True, help="output .mp4 (fragmented: playable while it is written)")
-    p.add_argument("--model", default="tiny-random", help="model name (see `avatarstream models`)")
-    p.add_argument("--strategy", choices=["prefix", "interp"], default=None,
-                   help="chunk continuity strategy (default: the model's)")
+    p.add_argument("--model", default=None,
+                   help="model name (see `avatarstream models`; default: the bundled model, else tiny-random)")
+    p.add_argument("--strategy", choices=["prefix", "interp", "causal"], default=None,
+                   help="chunk continuity strategy (default: the model's); causal: blocks of 3 latent "
+                        "frames with rolling KV caches (Live Avatar)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="causal only: timestep-forcing pipeline parallelism, N denoise worker "
+                        "processes (one share of the steps each) + 1 decode process")
+    p.add_argument("--split-decode", action="store_true",
+                   help="with --workers: SR refiner and VAE decode in two processes (N + 2 in all)")
+    p.add_argument("--no-adaptive-sink", action="store_true",
+                   help="causal: keep the reference as attention sink (ablation of AAS)")
+    p.add_argument("--no-rolling-rope", action="store_true",
+                   help="causal: keep the sink at a fixed RoPE position (ablation of Rolling RoPE)")
     p.add_argument("--seconds-per-chunk", type=float, default=None,
                    help="chunk length in seconds of video (rounded to whole latent frames)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk")
@@ -41,22 +52,42 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def _configure(models, args) -> None:  # type: ignore[no-untyped-def]
-    c = models.config
+def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
+    """PipelineConfig fields the options change (c: the model's default config)."""
+    o: dict = {}
     if args.strategy is not None:
-        c.strategy = args.strategy
+        o["strategy"] = args.strategy
     if args.seconds_per_chunk is not None:
         if args.seconds_per_chunk <= 0:
             raise ConfigError("--seconds-per-chunk must be positive")
-        c.chunk = max(c.overlap + 1, c.interp_anchor + 2, round(args.seconds_per_chunk * c.fps / 4))
+        o["chunk"] = max(c.overlap + 1, c.interp_anchor + 2, round(args.seconds_per_chunk * c.fps / 4))
     if args.steps is not None:
         if args.steps < 1:
             raise ConfigError("--steps must be at least 1")
-        c.steps = args.steps
+        o["steps"] = args.steps
     if args.sampler is not None:
-        c.sampler = args.sampler
+        o["sampler"] = args.sampler
     if args.seed is not None:
-        c.seed = args.seed
+        o["seed"] = args.seed
+    if getattr(args, "no_adaptive_sink", False):
+        o["adaptive_sink"] = False
+    if getattr(args, "no_rolling_rope", False):
+        o["rolling_rope"] = False
+    strategy = o.get("strategy", c.strategy)
+    if getattr(args, "split_decode", False) and getattr(args, "workers", None) is None:
+        raise ConfigError("--split-decode splits the pipeline of --workers N; add --workers")
+    if getattr(args, "workers", None) is not None:
+        if strategy != "causal":
+            raise ConfigError("--workers runs the causal strategy only; add --strategy causal")
+        if not 1 <= args.workers <= o.get("steps", c.steps):
+            raise ConfigError(f"--workers must be between 1 and the number of steps "
+                              f"({o.get('steps', c.steps)}): one worker owns one or more steps")
+    return o
+
+
+def _configure(models, args) -> None:  # type: ignore[no-untyped-def]
+    for k, v in _overrides(models.config, args).items():
+        setattr(models.config, k, v)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -70,13 +101,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model is None:
+        from avatarstream.registry import DEFAULT_MODEL
+
+        args.model = DEFAULT_MODEL
     if args.model not in MODELS:
         raise ConfigError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
     out = Path(args.out)
     check_writable(out)
     spec_cfg = MODELS[args.model].pipeline()
+    overrides = _overrides(spec_cfg, args)
     reference = load_reference(args.reference, size=spec_cfg.hr_size, max_frames=spec_cfg.ref_pixel_frames)
     reader = AudioReader(args.audio, sample_rate=spec_cfg.sample_rate, max_seconds=args.max_audio_seconds)
+    if args.workers is not None:
+        return _generate_tpp(args, overrides, out)
     models = load_model(args.model)
     _configure(models, args)
     cfg = models.config
@@ -127,6 +165,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = summary.as_dict()
     result.update(model=args.model, strategy=cfg.strategy, out=str(out))
     _print_summary(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path) -> int:
+    """`generate --strategy causal --workers N`: timestep-forcing pipeline parallelism over
+    N + 1 processes started here (parallel/tpp.py); the decode process writes the file."""
+    from avatarstream.parallel.tpp import TPPJob, run_tpp
+
+    job = TPPJob(model=args.model, reference=str(args.reference), audio=str(args.audio),
+                 workers=args.workers, split_decode=args.split_decode, out=str(out), hls=args.hls,
+                 overrides=overrides,
+                 prompt=args.prompt, max_audio_seconds=args.max_audio_seconds,
+                 threads=args.threads or 1)
+    result = run_tpp(job)
+    result.update(model=args.model, strategy="causal", out=str(out))
+    _print_summary(result)
+    decode = "1 refine + 1 decode worker" if args.split_decode else "1 decode worker"
+    print(f"  pipeline: {args.workers} denoise workers (steps {result['step_shares']}) + {decode}")
     if args.json:
         print(json.dumps(result))
     return 0
@@ -189,7 +247,10 @@ SUBCOMMANDS = {
     "train": ("avatarstream.train.cli", "train a recipe, pre-encode training data, export weights", "USAGE"),
     "eval": ("avatarstream.eval.cli", "score a video (Sync-C/D, FaceSim, style, silence, seams, PSNR) "
              "or benchmark a model on held-out synthetic cases", None),
-    "serve": ("avatarstream.serve.cli", "HTTP + WebSocket server for live avatar sessions (HLS out)", None),
+    "serve": ("avatarstream.serve.cli", "live avatar sessions server: WebRTC, WebSocket speech, "
+              "TTS, HLS, renders, web page", None),
+    "client": ("avatarstream.serve.client", "open a live session as the web page does (WebRTC), "
+               "record it, report ttff/fps/av offset", None),
 }
 
 

@@ -9,6 +9,7 @@ Trained models (safetensors + model card under `weights/NAME/`) are added to MOD
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -57,6 +58,29 @@ MODELS: dict[str, ModelSpec] = {
                               AudioConfig.small, TextConfig.small, _small_pipeline,
                               description="small() networks, random weights (real cost, no quality)"),
 }
+
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+BUNDLED = "avatarstream-small"
+
+
+def _register_bundled() -> None:
+    """Every exported folder under avatarstream/weights/ (config.json + five .safetensors) is a
+    model named after its folder."""
+    if not WEIGHTS_DIR.is_dir():
+        return
+    from avatarstream.train.export import model_spec
+
+    for cfg in sorted(WEIGHTS_DIR.glob("*/config.json")):
+        spec = model_spec(cfg.parent)
+        card = cfg.parent / "README.md"
+        MODELS[spec.name] = dataclasses.replace(
+            spec, description=f"trained, bundled (model card: {card})" if card.is_file() else spec.description)
+
+
+_register_bundled()
+# The default of `generate`, `serve` and the benchmarks: the bundled trained model once it ships.
+DEFAULT_MODEL = BUNDLED if BUNDLED in MODELS else "tiny-random"
 
 
 def available_models() -> list[str]:

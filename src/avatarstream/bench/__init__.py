@@ -16,4 +16,9 @@ BENCHMARKS: dict[str, str] = {
     "cache": "avatarstream.bench.cache",
     "vae": "avatarstream.bench.vae",
     "synth": "avatarstream.bench.synth",
+    "sessions": "avatarstream.bench.sessions",
+    "realtime": "avatarstream.bench.realtime",
+    "tpp": "avatarstream.bench.tpp",
+    "drift": "avatarstream.bench.drift",
+    "strategies": "avatarstream.bench.strategies",
 }

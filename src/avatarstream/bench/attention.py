@@ -13,7 +13,7 @@ attend to R*P + T*P keys (linear in R), so its exponent is <= 1 (below 1 while t
 still weighs); the dense sequence has (R+T)*P tokens attending to each other, so its exponent
 climbs towards 2 as R grows. The fit over all R is reported too (`*_exponent_all`).
 
-Model: `DiTConfig.small()` widths (dim 384, 6 heads, FFN 1024, latent 16x16, chunk 8) with
+Model: `DiTConfig.small()` widths (dim 320, 5 heads, FFN 1024, latent 16x16, chunk 8) with
 --depth layers (default 2) so the sweep runs in about a minute on 2 cores; random weights.
 """
 

@@ -1,6 +1,11 @@
 """Pipeline: wires the stages, owns the session's rolling state, runs the chunk loop.
 
     Reference (once) -> [ Context -> AudioToVideo -> SuperRes -> (anchor) -> DecodePublish ]*
+    causal strategy:    [ Context -> CausalDenoise -> SuperRes -> DecodePublish ]* (one block each)
+
+The stage list comes from a *stage builder* (default: `default_stages`, everything in this
+process); a timestep-forcing pipeline-parallel worker (`parallel/tpp.py`) injects its own, so the
+chunk loop, the schedule and the rolling state are the same code in every process.
 
 The loop asks the continuity schedule for the next chunk, makes sure the audio reaches as far as
 that chunk needs (pulling from the source: a file, or a live stream that blocks), runs the
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from avatarstream.engine.audio_context import AudioContext
+from avatarstream.engine.causal import CausalSettings
 from avatarstream.engine.clock import MediaClock
 from avatarstream.engine.module import Module
 from avatarstream.engine.publisher import Publisher
@@ -28,6 +34,7 @@ from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
 from avatarstream.engine.stages.anchor import AppearanceAnchorStage
 from avatarstream.engine.stages.audio_to_video import AudioToVideoStage
+from avatarstream.engine.stages.causal import CausalDenoiseStage
 from avatarstream.engine.stages.context import ContextStage
 from avatarstream.engine.stages.decode_publish import DecodePublishStage
 from avatarstream.engine.stages.reference import ReferenceStage
@@ -58,6 +65,10 @@ class PipelineConfig:
     overlap: int = 2
     interp_gap: int = 1
     interp_anchor: int = 1
+    block: int = 3  # causal: latent frames per block
+    kv_blocks: int = 4  # causal: blocks of history in each rolling KV cache
+    adaptive_sink: bool = True  # causal: Adaptive Attention Sink (first generated frame as sink)
+    rolling_rope: bool = True  # causal: the sink's RoPE position moves with the window
     seed: int = 0
     ref_t_position: float = -8.0
     fps: int = 25
@@ -66,6 +77,11 @@ class PipelineConfig:
     @property
     def ref_pixel_frames(self) -> int:
         return 1 + 4 * (self.ref_frames - 1)
+
+    def causal_settings(self) -> CausalSettings:
+        return CausalSettings(block=self.block, kv_blocks=self.kv_blocks,
+                              adaptive_sink=self.adaptive_sink, rolling_rope=self.rolling_rope,
+                              ref_t_position=self.ref_t_position)
 
 
 @dataclass
@@ -105,45 +121,79 @@ class RunSummary:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def _status_mb(field: str) -> float | None:
+    """A memory line of /proc/self/status (`VmHWM`, `VmRSS`, ...) in MB, or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process (MB): VmHWM of its own address space.
 
     Not `ru_maxrss`: Linux carries that across fork + exec, so a process started by a parent that
     was large at the time reports the parent's peak (seen: a 600 s run "peaking" at 830 MB because
     the benchmark had just synthesised its audio; its own high-water mark was 294 MB)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    mb = _status_mb("VmHWM")
+    return mb if mb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now (MB, VmRSS; 0 where /proc is missing)."""
+    return _status_mb("VmRSS") or 0.0
+
+
+StageBuilder = Callable[["Pipeline", ContinuitySchedule, Publisher], list[Stage]]
+
+
+def default_stages(pipe: "Pipeline", schedule: ContinuitySchedule, publisher: Publisher) -> list[Stage]:
+    """Every stage of the chunk loop in this process."""
+    c, m = pipe.config, pipe.models
+    if schedule.name == "causal":
+        return [pipe.context_stage(),
+                CausalDenoiseStage(m.dit, steps=c.steps, shift=c.shift, settings=c.causal_settings(),
+                                   sampler=c.sampler, overshoot=c.overshoot, seed=c.seed),
+                *pipe.output_stages(schedule, publisher)]
+    return [
+        pipe.context_stage(),
+        AudioToVideoStage(m.dit, steps=c.steps, sampler=c.sampler, shift=c.shift,
+                          overshoot=c.overshoot, seed=c.seed),
+        *pipe.output_stages(schedule, publisher),
+    ]
 
 
 class Pipeline:
-    def __init__(self, models: ModelSet, config: PipelineConfig | None = None) -> None:
+    def __init__(self, models: ModelSet, config: PipelineConfig | None = None, *,
+                 stages: StageBuilder | None = None) -> None:
         self.models = models
         self.config = config or models.config
         self.clock = MediaClock(fps=self.config.fps, sample_rate=self.config.sample_rate)
+        self._build_stages = stages or default_stages
 
     def _schedule(self) -> ContinuitySchedule:
         c = self.config
         return make_schedule(c.strategy, c.chunk, overlap=c.overlap, gap=c.interp_gap,
-                             anchor=c.interp_anchor)
+                             anchor=c.interp_anchor, block=c.block)
 
-    def _stages(self, schedule: ContinuitySchedule, publisher: Publisher) -> list[Stage]:
+    def context_stage(self) -> Stage:
+        c = self.config
+        return ContextStage(latent_channels=c.latent_channels, latent_size=c.lr_size // 8,
+                            motion_dim=c.motion_dim, seed=c.seed)
+
+    def output_stages(self, schedule: ContinuitySchedule, publisher: Publisher) -> list[Stage]:
+        """SuperRes -> (appearance anchor) -> DecodePublish."""
         c, m = self.config, self.models
-        return [
-            ContextStage(latent_channels=c.latent_channels, latent_size=c.lr_size // 8,
-                         motion_dim=c.motion_dim, seed=c.seed),
-            AudioToVideoStage(m.dit, steps=c.steps, sampler=c.sampler, shift=c.shift,
-                              overshoot=c.overshoot, seed=c.seed),
-            SuperResStage(m.refiner, sigma=c.sr_sigma, window=c.sr_window, seed=c.seed),
-            AppearanceAnchorStage(m.dit, m.refiner, enabled=schedule.uses_appearance_anchor,
-                                  ref_t_position=c.ref_t_position),
-            DecodePublishStage(m.vae, publisher, fps=c.fps),
-        ]
+        out: list[Stage] = [SuperResStage(m.refiner, sigma=c.sr_sigma, window=c.sr_window, seed=c.seed)]
+        if schedule.name != "causal":  # the causal strategy's anchor is its attention sink
+            out.append(AppearanceAnchorStage(m.dit, m.refiner, enabled=schedule.uses_appearance_anchor,
+                                             ref_t_position=c.ref_t_position))
+        out.append(DecodePublishStage(m.vae, publisher, fps=c.fps))
+        return out
 
     def run(
         self,
@@ -174,7 +224,7 @@ class Pipeline:
             for mod in m.modules():
                 mod.reset_stats()
             schedule = self._schedule()
-            span = max(c.chunk, c.interp_gap + c.interp_anchor + 2)
+            span = max(c.chunk, c.interp_gap + c.interp_anchor + 2, c.block + 1)
             state.audio = AudioContext(
                 audio, m.audio, m.make_audio_stream(), self.clock, window=c.audio_window,
                 keep_frames=4 * (3 * span + 4) + 8 * c.audio_window + 16,
@@ -183,7 +233,7 @@ class Pipeline:
                 else int(max_audio_seconds * c.sample_rate),
             )
             state.vae_cache = m.vae.call("new_cache")
-            stages = self._stages(schedule, publisher)
+            stages = self._build_stages(self, schedule, publisher)
             summary = RunSummary(reference_ms=(t_ref - t_start) * 1000)
             t_first_pub: float | None = None
             while True:

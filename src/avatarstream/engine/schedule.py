@@ -15,7 +15,11 @@ Strategies:
   of the previous N chunk and an early frame (index `anchor`) of the next one; it fills the gap
   between them and replaces the next N chunk's frames before the anchor. Order:
   N0 N1 I0 N2 I1 N3 I2 ... The anchors' own predictions in the I chunk are dropped.
-- `causal` (block-wise with a rolling KV cache) plugs in here as a third schedule later.
+- `CausalSchedule` (Live Avatar: block-wise causal generation with a rolling KV cache): the
+  timeline is cut into blocks of `block` latents generated in order, each once; the DiT's
+  continuity lives in its KV caches (`engine/causal.py`), not in given frames. A block's chunk
+  also carries the previous block's last `context` latents as given frames: the SR refiner's
+  temporal window reads them as left context; the DiT does not.
 
 The schedule learns the timeline length only when the audio has ended (`total` argument): until
 then it plans full-size chunks; the pipeline trims what lies past the end.
@@ -225,11 +229,58 @@ class InterpSchedule:
         return plan
 
 
-STRATEGIES = ("prefix", "interp")
+@dataclass
+class CausalSchedule:
+    """Blocks of `block` latents in timeline order, each generated once (see the module doc)."""
+
+    block: int = 3
+    context: int = 1
+    name: str = "causal"
+    uses_appearance_anchor: bool = False
+    _next_id: int = field(default=0, init=False)
+    _published: int = field(default=0, init=False)
+    _prev: ChunkPlan | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.block < 1 or not 0 <= self.context <= self.block:
+            raise ConfigError(f"causal schedule needs block >= 1 and 0 <= context <= block "
+                              f"(got block={self.block}, context={self.context})")
+
+    def horizon(self) -> int:
+        return self._published + self.block
+
+    def next_chunk(self, total: int | None) -> ChunkPlan | None:
+        """Always a whole block (the KV caches hold whole blocks); the pipeline trims the frames
+        past the end of the audio."""
+        if total is not None and self._published >= total:
+            return None
+        cid = self._next_id
+        self._next_id += 1
+        p, b = self._published, self.block
+        prev = self._prev
+        c = 0 if prev is None else self.context
+        plan = ChunkPlan(
+            id=cid,
+            kind="block",
+            positions=tuple(range(p - c, p + b)),
+            given=tuple(GivenFrame(i, prev.id, prev.length - c + i) for i in range(c)) if prev else (),
+            emit=(c, c + b),
+            publish=(cid,),
+            keep=tuple(range(c + b - self.context, c + b)),
+            release=(prev.id,) if prev else (),
+        )
+        self._published += b
+        self._prev = plan
+        return plan
+
+
+STRATEGIES = ("prefix", "interp", "causal")
 
 
 def make_schedule(strategy: str, chunk: int, *, overlap: int = 2, gap: int = 1,
-                  anchor: int = 1) -> ContinuitySchedule:
+                  anchor: int = 1, block: int = 3) -> ContinuitySchedule:
+    if strategy == "causal":
+        return CausalSchedule(block=block)
     if strategy == "prefix":
         return PrefixSchedule(chunk=chunk, overlap=overlap)
     if strategy == "interp":

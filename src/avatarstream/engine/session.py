@@ -1,7 +1,8 @@
 """Rolling session state: the only things that survive from one chunk to the next.
 
 Reference caches (once per request), the appearance anchor, the latents later chunks are given
-(continuity), refined latents waiting for their publication slot (interp), the VAE conv cache,
+(continuity), refined latents waiting for their publication slot (interp), the causal strategy's
+rolling KV caches and attention sink, the VAE conv cache,
 the audio feature stream and the media clock position. Its size depends on the chunk size and
 never on how long the session has run (`nbytes` is what the tests and benchmarks watch).
 """
@@ -45,6 +46,10 @@ class ChunkStore:
             out.append((g.index, kept.lr[g.source_index], kept.motion[g.source_index]))
         return out
 
+    def put_emitted(self, chunk_id: int, hr: torch.Tensor) -> None:
+        """Refined latents of a chunk made elsewhere (a pipeline-parallel refine process)."""
+        self._emitted[chunk_id] = hr
+
     def take_emitted(self, chunk_id: int) -> torch.Tensor:
         return self._emitted.pop(chunk_id)
 
@@ -73,13 +78,14 @@ class SessionState:
     store: ChunkStore = field(default_factory=ChunkStore)
     vae_cache: Any = None  # ConvCache of the streaming decoder
     audio: Any = None  # AudioContext: streaming features of the session's speech
+    causal: Any = None  # CausalDenoiser (causal strategy): per-step rolling KV caches + sink
     total_frames: int | None = None  # video frames of the whole output, once the audio has ended
     frames_published: int = 0
     chunks_done: int = 0
 
     def rolling_nbytes(self) -> int:
         n = self.store.nbytes()
-        for obj in (self.vae_cache, self.dit_reference, self.refiner_reference):
+        for obj in (self.vae_cache, self.dit_reference, self.refiner_reference, self.causal):
             if obj is not None and hasattr(obj, "nbytes"):
                 n += int(obj.nbytes() if callable(obj.nbytes) else obj.nbytes)
         return n

@@ -1,7 +1,11 @@
 """`avatarstream eval`: arguments and run() (the top-level CLI prints the returned summary).
 
     avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--real] [--out DIR] --json
-    avatarstream eval benchmark --model NAME --split heldout-identity|heldout-voice [--seconds S] [--clips N] [--seed X] [--out DIR] --json
+    avatarstream eval benchmark --model NAME --split heldout-identity|heldout-voice [--seconds S] [--clips N] [--seed X]
+        [--reference-mode video|frame] [--steps K] [--out DIR] --json
+    avatarstream eval sweep --model NAME --steps 1,2,3,4 [--split S] [--seconds S] [--clips N] [--seed X] [--out DIR] --json
+    avatarstream eval card --model NAME [--seconds S] [--clips N] [--seed X] [--steps K] [--sweep-steps 1,2,3] [--out DIR] --json
+    avatarstream eval showcase --model NAME --out DIR [--split S] [--seconds S] [--seed X] [--steps K] --json
 """
 
 from __future__ import annotations
@@ -15,18 +19,30 @@ import numpy as np
 from avatarstream.errors import InputError
 
 USAGE = """avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--real] [--out DIR] [--json]
-       avatarstream eval benchmark --model NAME --split {heldout-identity,heldout-voice} [--seconds S] [--clips N] [--seed X] [--out DIR] [--json]"""
+       avatarstream eval benchmark --model NAME --split {heldout-identity,heldout-voice} [--seconds S] [--clips N] [--seed X] [--reference-mode {video,frame}] [--steps K] [--out DIR] [--json]
+       avatarstream eval sweep --model NAME --steps 1,2,3,4 [--split S] [--seconds S] [--clips N] [--seed X] [--out DIR] [--json]
+       avatarstream eval card --model NAME [--seconds S] [--clips N] [--seed X] [--steps K] [--sweep-steps 1,2,3] [--out DIR] [--json]
+       avatarstream eval showcase --model NAME --out DIR [--split S] [--seconds S] [--seed X] [--steps K] [--json]"""
 
 STABLE_KEYS = ("sync_c", "sync_d", "offset_frames", "face_sim", "style_error", "silence_mouth_closed",
                "boundary_smoothness", "psnr", "fps", "ttff_s", "model", "split", "seed", "clips")
-_VIDEO_ONLY = ("reference", "audio", "ground_truth", "chunk_frames", "real")
-_BENCH_ONLY = ("model", "split", "seconds", "clips", "seed")
+# which options each form takes (argparse dests); anything else given is a one-line error
+_COMMON = ("out", "threads")
+_OPTIONS = {
+    "video": ("reference", "audio", "ground_truth", "chunk_frames", "real", "experts", "no_plots"),
+    "benchmark": ("model", "split", "seconds", "clips", "seed", "reference_mode", "steps", "experts", "no_plots"),
+    "sweep": ("model", "split", "seconds", "clips", "seed", "steps", "experts"),
+    "card": ("model", "seconds", "clips", "seed", "steps", "sweep_steps", "experts"),
+    "showcase": ("model", "split", "seconds", "seed", "steps"),
+}
+_ALL = tuple(dict.fromkeys(d for ds in _OPTIONS.values() for d in ds))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of `avatarstream eval` (both forms share one parser; run() checks which apply)."""
+    """Options of `avatarstream eval` (every form shares one parser; run() checks which apply)."""
     p.usage = USAGE
-    p.add_argument("video", metavar="VIDEO|benchmark", help="video to score, or `benchmark`")
+    p.add_argument("video", metavar="VIDEO|benchmark|sweep|card|showcase",
+                   help="video to score, or one of the held-out benchmark commands")
     g = p.add_argument_group("scoring a video")
     g.add_argument("--reference", help="reference image or video of the person (FaceSim, style)")
     g.add_argument("--audio", help="the driving speech (default: the video's own audio track)")
@@ -34,20 +50,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-frames", type=int, help="chunk length in frames, for boundary smoothness")
     g.add_argument("--real", action="store_true", default=None,
                    help="also score real faces with dlib (the *_real keys; needs pip install 'avatarstream[real]')")
-    b = p.add_argument_group("benchmark")
-    b.add_argument("--model", help="registry model, or the baselines ground-truth / static-frame")
-    b.add_argument("--split", choices=["heldout-identity", "heldout-voice"])
-    b.add_argument("--seconds", type=float, help="seconds per clip (default 10)")
+    b = p.add_argument_group("benchmark, sweep, card, showcase")
+    b.add_argument("--model", help="registry model, or the baselines ground-truth / static-frame / wrong-identity")
+    b.add_argument("--split", choices=["heldout-identity", "heldout-voice"],
+                   help="benchmark: required; sweep, showcase: default heldout-identity; card: both, always")
+    b.add_argument("--seconds", type=float, help="seconds per clip (default 10; showcase 6)")
     b.add_argument("--clips", type=int, help="number of cases (default 3)")
-    b.add_argument("--seed", type=int, help="draws identities, voices, scenes, sentences (default 0)")
-    p.add_argument("--out", help="report folder (default VIDEO.eval/ or eval-MODEL-SPLIT-sSEED/)")
+    b.add_argument("--seed", type=int, help="draws identities, voices, scenes and sentences (default 0)")
+    b.add_argument("--reference-mode", choices=["video", "frame"],
+                   help="benchmark: give the model the reference video (default) or only its first frame; "
+                        "style error is measured against the video either way")
+    b.add_argument("--steps", help="denoising steps (default: the model's); sweep: a list, like 1,2,3,4")
+    b.add_argument("--sweep-steps", help="card: also sweep these step counts (like 1,2,3) on the same cases")
+    p.add_argument("--out", help="output folder (default VIDEO.eval/, eval-MODEL-SPLIT-sSEED/, eval-sweep-…, "
+                                 "eval-card-MODEL-sSEED/; showcase: required)")
     p.add_argument("--experts", help="folder with expert .safetensors (default: the bundled ones)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-plots", action="store_true", default=None, help="skip the PNG plots")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
-def _used(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None]
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if getattr(args, n, None) is not None]
+
+
+def check_options(args: argparse.Namespace, form: str) -> None:
+    """One line naming the options that do not apply to this form of `avatarstream eval`."""
+    bad = [n for n in _given(args, _ALL) if n not in _OPTIONS[form]]
+    if bad:
+        where = "`avatarstream eval VIDEO`" if form == "video" else f"`avatarstream eval {form}`"
+        opts = ", ".join("--" + n.replace("_", "-") for n in bad)
+        raise InputError(f"{opts} {'does' if len(bad) == 1 else 'do'} not apply to {where}")
+
+
+def one_step_count(text: str | None, form: str) -> int | None:
+    """--steps of benchmark/card/showcase: one step count (a list is for `eval sweep`)."""
+    if text is None:
+        return None
+    from avatarstream.eval.sweep import parse_steps
+
+    steps = parse_steps(text)
+    if len(steps) != 1:
+        raise InputError(f"--steps takes one step count for `eval {form}`; `eval sweep --steps {text}` runs several")
+    return steps[0]
 
 
 def _read_video(path: str) -> np.ndarray:
@@ -83,9 +127,7 @@ def run_video(args: argparse.Namespace) -> dict[str, Any]:
     from avatarstream.media.audio import read_all
     from avatarstream.media.reference import load_reference
 
-    bad = _used(args, _BENCH_ONLY)
-    if bad:
-        raise InputError(f"{', '.join(bad)} only apply to `avatarstream eval benchmark`")
+    check_options(args, "video")
     if not args.reference:
         raise InputError("--reference is required: the image or video of the person the video should show")
     if args.chunk_frames is not None and args.chunk_frames < 1:
@@ -132,29 +174,90 @@ def run_video(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _need_model(args: argparse.Namespace, form: str) -> str:
+    if not args.model:
+        raise InputError(f"eval {form} needs --model NAME (see `avatarstream models`)")
+    return args.model
+
+
 def run_benchmark_cmd(args: argparse.Namespace) -> dict[str, Any]:
     from avatarstream.eval.benchmark import run_benchmark
     from avatarstream.eval.experts import load_experts
 
-    bad = _used(args, _VIDEO_ONLY)
-    if bad:
-        raise InputError(f"{', '.join(bad)} only apply to `avatarstream eval VIDEO`")
+    check_options(args, "benchmark")
     if not args.model or not args.split:
         raise InputError("eval benchmark needs --model NAME and --split heldout-identity|heldout-voice")
+    steps = one_step_count(args.steps, "benchmark")
     seed = 0 if args.seed is None else args.seed
     out = Path(args.out) if args.out else Path(f"eval-{args.model}-{args.split}-s{seed}")
     r = run_benchmark(args.model, args.split, seconds=10.0 if args.seconds is None else args.seconds,
                       clips=3 if args.clips is None else args.clips, seed=seed, out=out,
-                      experts=load_experts(args.experts), plots=not args.no_plots)
+                      experts=load_experts(args.experts), plots=not args.no_plots,
+                      reference_mode=args.reference_mode or "video", steps=steps)
     return {**{k: r.get(k) for k in STABLE_KEYS}, **{k: v for k, v in r.items() if k not in STABLE_KEYS}}
 
 
+def run_sweep_cmd(args: argparse.Namespace) -> dict[str, Any]:
+    from avatarstream.eval.benchmark import check_bench_args
+    from avatarstream.eval.experts import load_experts
+    from avatarstream.eval.sweep import parse_steps, run_sweep
+
+    check_options(args, "sweep")
+    model = _need_model(args, "sweep")
+    if args.steps is None:
+        raise InputError("eval sweep needs --steps, the step counts to compare, like 1,2,3,4")
+    steps = parse_steps(args.steps)
+    split = args.split or "heldout-identity"
+    seed = 0 if args.seed is None else args.seed
+    seconds, clips = 10.0 if args.seconds is None else args.seconds, 3 if args.clips is None else args.clips
+    check_bench_args(split, seconds, clips)
+    out = Path(args.out) if args.out else Path(f"eval-sweep-{model}-{split}-s{seed}")
+    return run_sweep(model, split, steps, seconds=seconds, clips=clips, seed=seed, out=out,
+                     experts=load_experts(args.experts))
+
+
+def run_card_cmd(args: argparse.Namespace) -> dict[str, Any]:
+    from avatarstream.eval.card import run_card
+    from avatarstream.eval.experts import load_experts
+    from avatarstream.eval.sweep import parse_steps
+
+    check_options(args, "card")
+    model = _need_model(args, "card")
+    steps = one_step_count(args.steps, "card")
+    sweep = parse_steps(args.sweep_steps) if args.sweep_steps is not None else None
+    seed = 0 if args.seed is None else args.seed
+    out = Path(args.out) if args.out else Path(f"eval-card-{model}-s{seed}")
+    card = run_card(model, out, seconds=10.0 if args.seconds is None else args.seconds,
+                    clips=3 if args.clips is None else args.clips, seed=seed, steps=steps, sweep=sweep,
+                    experts=load_experts(args.experts))
+    keep = ("model", "seed", "clips", "seconds", "steps", "default_steps", "passed", "n_pass", "n_fail",
+            "n_unmeasured", "wall_s", "card_json", "card_md")
+    return {**{k: card[k] for k in keep}, "targets": card["targets"],
+            "runs": {sp: s["runs"] for sp, s in card["splits"].items()}}
+
+
+def run_showcase_cmd(args: argparse.Namespace) -> dict[str, Any]:
+    from avatarstream.eval.showcase import run_showcase
+
+    check_options(args, "showcase")
+    model = _need_model(args, "showcase")
+    if not args.out:
+        raise InputError("eval showcase needs --out DIR, the folder for the PNG and GIF (e.g. docs/)")
+    return run_showcase(model, Path(args.out), split=args.split or "heldout-identity",
+                        seed=0 if args.seed is None else args.seed,
+                        seconds=6.0 if args.seconds is None else args.seconds,
+                        steps=one_step_count(args.steps, "showcase"))
+
+
+COMMANDS = {"benchmark": run_benchmark_cmd, "sweep": run_sweep_cmd, "card": run_card_cmd, "showcase": run_showcase_cmd}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Dispatch on VIDEO|benchmark; returns the JSON-serialisable summary."""
+    """Dispatch on VIDEO|benchmark|sweep|card|showcase; returns the JSON-serialisable summary."""
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.video == "benchmark" and not Path("benchmark").is_file():
-        return run_benchmark_cmd(args)
+    if args.video in COMMANDS and not Path(args.video).is_file():
+        return COMMANDS[args.video](args)
     return run_video(args)

@@ -269,17 +269,19 @@ def reference_embedding(ex: Experts, reference: np.ndarray, max_frames: int = 16
 
 
 def evaluate(frames: np.ndarray, audio: np.ndarray, reference: np.ndarray, ex: Experts, *,
-             ground_truth: np.ndarray | None = None, chunk_starts: list[int] | None = None) -> Evaluation:
+             ground_truth: np.ndarray | None = None, chunk_starts: list[int] | None = None,
+             reference_reads: tuple[torch.Tensor, np.ndarray] | None = None) -> Evaluation:
     """All metrics of one video.
 
     frames [F, H, W, 3] uint8 at 25 fps; audio [N] float32 16 kHz (its start is frame 0's start);
     reference [F_r, h, w, 3] uint8 (an image: F_r = 1, then no style_error); ground_truth
     [F_g, H', W', 3] uint8 or None; chunk_starts: first frame index of each chunk (None: no
-    boundary metric).
+    boundary metric); reference_reads: `reference_embedding(ex, reference)` when already computed
+    (several videos scored against one reference read it once).
     """
     n = len(frames)
     track = face_track(frames, ex)
-    ref_emb, ref_states = reference_embedding(ex, reference)
+    ref_emb, ref_states = reference_reads if reference_reads is not None else reference_embedding(ex, reference)
     dists = sync_distances(ex, track.mouths, audio)
     met: dict[str, Any] = {"frames": n, "seconds": n / FPS, **sync_scores(dists)}
     sims = (track.ident @ ref_emb).numpy()

@@ -81,6 +81,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).to(dt)
 
 
+def shift_time(x: torch.Tensor, delta: float, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Move keys already rotated by RoPE by `delta` along the time axis: x `[B, heads, N, hd]`.
+
+    A rotation by a at position p followed by one by delta is the rotation at p + delta, so
+    `shift_time(apply_rope(k, tables(t)), d) == apply_rope(k, tables(t + d))` up to float32
+    rounding; height and width are untouched (their pairs rotate by angle 0). This is how a
+    cached key moves in time without re-running the layers that made it (Rolling RoPE).
+    """
+    one = torch.zeros(1, dtype=torch.float64)
+    cos, sin = rope_tables(one + float(delta), one, one, head_dim, theta)  # [1, hd/2]
+    return apply_rope(x, cos, sin)
+
+
 class Rope3D:
     """Convenience holder: `Rope3D(head_dim)(t_pos, h, w, extra_tokens)` -> (cos, sin) `[T*P, hd/2]`."""
 

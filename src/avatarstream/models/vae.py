@@ -483,6 +483,33 @@ class CausalVAE(nn.Module):
         cache.chunks += 1
         return out
 
+    @torch.no_grad()
+    def fold_latent_stats(self, mean: torch.Tensor, std: torch.Tensor) -> "CausalVAE":
+        """Make the latent space unit-scale: afterwards `encode` returns (μ − mean)/std (and the
+        log-variance of that), and `decode` expects such normalised latents, for per-channel
+        `mean`, `std` `[z]` measured on the training data's latents. Folded exactly into the two
+        1x1x1 convolutions around the latent (no new tensors, the weight format is unchanged):
+        quant_conv's mean half W, b -> W/std, (b − mean)/std, its log-variance bias − 2 log std;
+        post_quant_conv W, b -> W·diag(std), b + W·mean. Flow matching wants data at the noise's
+        scale; the raw KL-light latents are several times larger."""
+        z = self.cfg.z_channels
+        mean = mean.to(torch.float64).flatten()
+        std = std.to(torch.float64).flatten()
+        if mean.numel() != z or std.numel() != z or bool((std <= 0).any()):
+            raise ValueError(f"latent stats must be {z} means and {z} positive stds")
+        q, p = self.quant_conv, self.post_quant_conv
+        w = q.weight.double()
+        b = q.bias.double()
+        w[:z] /= std[:, None, None, None, None]
+        b[:z] = (b[:z] - mean) / std
+        b[z:] -= 2.0 * std.log()
+        q.weight.copy_(w)
+        q.bias.copy_(b)
+        w = p.weight.double()  # [out, in, 1, 1, 1]
+        p.bias.copy_(p.bias.double() + (w[:, :, 0, 0, 0] @ mean))
+        p.weight.copy_(w * std[None, :, None, None, None])
+        return self
+
     # -- helpers ---------------------------------------------------------------------------------
     def _encode(self, video: torch.Tensor,
                 cache: ConvCache | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,47 +1,47 @@
-"""The HTTP + WebSocket server (aiohttp): avatars, live sessions, their audio socket and HLS.
+"""The HTTP + WebSocket + WebRTC server (aiohttp + aiortc): avatars, live sessions, renders.
 
-    POST   /v1/avatars                      body: image/video, Content-Type names it -> {id, ...}
-    GET    /v1/avatars/{id}
-    POST   /v1/sessions                     {"avatar_id"} -> {session_id, token, audio_url, hls_url}
-    WS     /v1/sessions/{id}/audio?token=   binary PCM16 mono 16 kHz; JSON control messages
-    GET    /v1/sessions/{id}/hls/{name}     index.m3u8 and segment_NNNNN.ts (?token= or API key)
+    GET    /                                 the web page (serve/static/index.html)
+    GET    /openapi.json                     the schema;  GET /v1/server: model, capacity, load
+    POST   /v1/avatars                       body: image/video, Content-Type names it -> {id, ...}
+    GET    /v1/avatars/{id}                  GET /v1/voices: the TTS voices
+    POST   /v1/sessions                      {"avatar_id", "hls"?} -> {session_id, token, urls}
+    GET    /v1/sessions/{id}                 state, media time, lag, late frames
+    POST   /v1/sessions/{id}/offer           WebRTC: {sdp, type: "offer"} -> the answer
+    WS     /v1/sessions/{id}/audio?token=    binary PCM16 mono 16 kHz; JSON control + events
+    POST   /v1/sessions/{id}/say             {"text", "voice"?}  (TTS)
+    POST   /v1/sessions/{id}/interrupt | /end_of_speech | /keep_alive
+    GET    /v1/sessions/{id}/hls/{name}      index.m3u8, init.mp4, segment_NNNNN.m4s
     DELETE /v1/sessions/{id}
-    GET    /openapi.json
+    POST   /v1/renders                       {"avatar_id", "text"} or audio body ?avatar_id=
+    GET    /v1/renders/{id} | /v1/renders/{id}/output;  DELETE /v1/renders/{id}
 
 Requests carry `Authorization: Bearer KEY`; with `api_keys` given only those keys are accepted,
-otherwise any non-empty key names a tenant. Errors are JSON `{"error": message}`. Every live
-session is a `LiveSession` (serve/session.py) publishing into its own HLS folder; later slices
-add WebRTC tracks and admission control at the `SessionManager`.
+otherwise any non-empty key names a tenant. Session routes also accept the session's `?token=`.
+Errors are JSON `{"error": message}` with a proper status, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
-import re
-import secrets
-import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
-import torch
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from avatarstream.engine.pipeline import ModelSet
 from avatarstream.errors import AvatarStreamError
-from avatarstream.publish.hls import PLAYLIST, HLSSink
-from avatarstream.serve.avatars import (AvatarStore, UnsupportedUploadError, UploadLimits,
-                                         key_fingerprint)
+from avatarstream.serve.avatars import AvatarStore, UnsupportedUploadError, UploadLimits
 from avatarstream.serve.openapi import openapi_schema
-from avatarstream.serve.session import LiveSession, LiveSessionConfig
+from avatarstream.serve.renders import RenderManager
+from avatarstream.serve.scheduler import Capacity, ChunkScheduler
+from avatarstream.serve.session import LiveSessionConfig
+from avatarstream.serve.sessions import SessionManager
+from avatarstream.serve.tts import TextToSpeech
 
 log = logging.getLogger(__name__)
-
-_HLS_NAME = re.compile(r"^(index\.m3u8|segment_\d{5}\.ts)$")
-_SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
 
 
 @dataclass
@@ -52,68 +52,28 @@ class ServerConfig:
     session: LiveSessionConfig = field(default_factory=LiveSessionConfig)
     hls_segment_seconds: float = 1.0
     reap_every_s: float = 1.0  # how often ended (idle-timed-out) sessions are cleaned up
+    max_sessions: int | None = None  # None: measured at start-up (calibrate)
+    playout_delay_s: float | None = None  # None: derived from the model's measured chunk time
+    max_render_seconds: float = 600.0
+    max_text_chars: int = 2000
+    piper_voice: str | None = None
+    batching: bool = True
 
 
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
-
-
-@dataclass
-class _Entry:
-    session: LiveSession
-    owner: str
-    token: str
-    dir: Path
-
-
-class SessionManager:
-    """Open sessions by id. One process-wide model; later: batching and admission control."""
-
-    def __init__(self, models: ModelSet, config: ServerConfig) -> None:
-        self.models, self.config = models, config
-        self.dir = config.data_dir / "sessions"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.entries: dict[str, _Entry] = {}
-
-    def open(self, owner: str, reference: torch.Tensor) -> tuple[str, _Entry]:
-        """Start a session on `reference` ([F, 3, H, W] uint8) for the key fingerprint `owner`."""
-        sid = secrets.token_hex(12)
-        d = self.dir / sid
-        hls = HLSSink(d / "hls", segment_seconds=self.config.hls_segment_seconds)
-        # Only HLS is read here (nobody consumes frames()): keep no in-process frame queue.
-        live = dataclasses.replace(self.config.session, max_out_items=0)
-        session = LiveSession(self.models, reference, config=live, sinks=[hls])
-        entry = _Entry(session, owner, secrets.token_urlsafe(24), d)
-        self.entries[sid] = entry
-        session.start()
-        return sid, entry
-
-    async def close(self, sid: str) -> None:
-        entry = self.entries.pop(sid, None)
-        if entry is None:
-            return
-        await asyncio.to_thread(entry.session.stop, 10.0)
-        shutil.rmtree(entry.dir, ignore_errors=True)
-
-    async def reap(self) -> None:
-        """Clean up sessions that ended on their own (idle timeout, failure)."""
-        for sid in [s for s, e in self.entries.items() if e.session.source.closed
-                    and not e.session.running]:
-            await self.close(sid)
-
-    async def close_all(self) -> None:
-        for sid in list(self.entries):
-            await self.close(sid)
-
-
-SESSIONS: web.AppKey[SessionManager] = web.AppKey("sessions", SessionManager)
 AVATARS: web.AppKey[AvatarStore] = web.AppKey("avatars", AvatarStore)
+SESSIONS: web.AppKey[SessionManager] = web.AppKey("sessions", SessionManager)
+SCHEDULER: web.AppKey[ChunkScheduler] = web.AppKey("scheduler", ChunkScheduler)
+RENDERS: web.AppKey[RenderManager] = web.AppKey("renders", RenderManager)
+TTS: web.AppKey[TextToSpeech] = web.AppKey("tts", TextToSpeech)
+MODELS: web.AppKey[ModelSet] = web.AppKey("models", ModelSet)
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
 
 
-def _api_key(request: web.Request) -> str | None:
+def api_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if not auth.startswith("Bearer "):
         return None
@@ -124,179 +84,174 @@ def _api_key(request: web.Request) -> str | None:
     return key
 
 
-def _session_entry(request: web.Request) -> tuple[str, _Entry] | web.Response:
-    """The session named in the path, if the caller holds its token or its owner's key."""
-    sid = request.match_info["id"]
-    manager: SessionManager = request.app[SESSIONS]
-    entry = manager.entries.get(sid) if _SESSION_ID.match(sid) else None
-    key = _api_key(request)
-    token = request.query.get("token")
-    if key is None and token is None:
-        return _error(401, "send `Authorization: Bearer KEY` or the session's ?token=")
-    if entry is None:
-        return _error(404, "no such session")
-    if not ((token is not None and secrets.compare_digest(token, entry.token))
-            or (key is not None and key_fingerprint(key) == entry.owner)):
-        return _error(404, "no such session")
-    return sid, entry
+async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
+    """The request body, or a 413 error past `limit` bytes."""
+    if request.content_length is not None and request.content_length > limit:
+        return error(413, f"the upload is {request.content_length} bytes; the limit is {limit} bytes")
+    parts, size = [], 0
+    try:
+        while True:  # read() returns what has arrived so far: read to the end, bounded
+            part = await request.content.read(min(1 << 20, limit + 1 - size))
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+            if size > limit:
+                return error(413, f"the upload is larger than the limit of {limit} bytes")
+    except ValueError as e:
+        return error(400, f"cannot read the upload: {e}")
+    return b"".join(parts)
 
 
 async def post_avatar(request: web.Request) -> web.Response:
-    key = _api_key(request)
+    key = api_key(request)
     if key is None:
-        return _error(401, "send `Authorization: Bearer KEY`")
-    store: AvatarStore = request.app[AVATARS]
-    limit = store.limits.max_bytes
-    if request.content_length is not None and request.content_length > limit:
-        return _error(413, f"the upload is {request.content_length} bytes; the limit is {limit} bytes")
-    try:
-        data = await request.content.read(limit + 1)
-    except ValueError as e:
-        return _error(400, f"cannot read the upload: {e}")
-    if len(data) > limit:
-        return _error(413, f"the upload is larger than the limit of {limit} bytes")
+        return error(401, "send `Authorization: Bearer KEY`")
+    store = request.app[AVATARS]
+    data = await read_body(request, store.limits.max_bytes)
+    if isinstance(data, web.Response):
+        return data
     ctype = request.headers.get("Content-Type", "")
     try:
         avatar = await asyncio.to_thread(store.create, key, data, ctype)
     except AvatarStreamError as e:
-        return _error(415 if isinstance(e, UnsupportedUploadError) else 400, str(e))
+        return error(415 if isinstance(e, UnsupportedUploadError) else 400, str(e))
     return web.json_response(avatar.as_dict(), status=201)
 
 
 async def get_avatar(request: web.Request) -> web.Response:
-    key = _api_key(request)
+    key = api_key(request)
     if key is None:
-        return _error(401, "send `Authorization: Bearer KEY`")
+        return error(401, "send `Authorization: Bearer KEY`")
     avatar = request.app[AVATARS].get(key, request.match_info["id"])
     if avatar is None:
-        return _error(404, "no such avatar")
+        return error(404, "no such avatar")
     return web.json_response(avatar.as_dict())
 
 
-async def post_session(request: web.Request) -> web.Response:
-    key = _api_key(request)
-    if key is None:
-        return _error(401, "send `Authorization: Bearer KEY`")
-    try:
-        body = await request.json()
-        avatar_id = body["avatar_id"]
-        if not isinstance(avatar_id, str):
-            raise TypeError
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return _error(400, 'send a JSON body {"avatar_id": "..."}')
-    store: AvatarStore = request.app[AVATARS]
-    avatar = store.get(key, avatar_id)
-    if avatar is None:
-        return _error(404, "no such avatar")
-    frames = await asyncio.to_thread(store.frames, avatar)
-    sid, entry = request.app[SESSIONS].open(key_fingerprint(key), frames)
+async def get_voices(request: web.Request) -> web.Response:
+    from avatarstream.serve.tts import DEFAULT_VOICE
+
+    return web.json_response({"default": DEFAULT_VOICE, "voices": request.app[TTS].voices()})
+
+
+async def get_server(request: web.Request) -> web.Response:
+    sched, sessions = request.app[SCHEDULER], request.app[SESSIONS]
+    cap = sched.capacity
     return web.json_response({
-        "session_id": sid, "token": entry.token,
-        "audio_url": f"/v1/sessions/{sid}/audio?token={entry.token}",
-        "hls_url": f"/v1/sessions/{sid}/hls/{PLAYLIST}?token={entry.token}",
-        "sample_rate": request.app[SESSIONS].models.config.sample_rate,
-    }, status=201)
-
-
-async def delete_session(request: web.Request) -> web.Response:
-    found = _session_entry(request)
-    if isinstance(found, web.Response):
-        return found
-    await request.app[SESSIONS].close(found[0])
-    return web.Response(status=204)
-
-
-async def session_audio(request: web.Request) -> web.StreamResponse:
-    found = _session_entry(request)
-    if isinstance(found, web.Response):
-        return found
-    session = found[1].session
-    ws = web.WebSocketResponse(heartbeat=20.0)
-    await ws.prepare(request)
-    async for msg in ws:
-        if msg.type == WSMsgType.BINARY:
-            try:
-                ok = session.offer_audio(msg.data)
-            except AvatarStreamError as e:
-                await ws.send_json({"type": "error", "error": str(e)})
-                continue
-            if not ok:
-                await ws.send_json({"type": "slow_down",
-                                    "buffered_s": round(session.buffered_seconds, 3)})
-        elif msg.type == WSMsgType.TEXT:
-            await _control(ws, session, msg.data)
-        elif msg.type == WSMsgType.ERROR:
-            break
-    return ws
-
-
-async def _control(ws: web.WebSocketResponse, session: LiveSession, text: str) -> None:
-    try:
-        kind = json.loads(text).get("type")
-    except (json.JSONDecodeError, AttributeError):
-        kind = None
-    if kind == "end_of_speech":
-        session.end_of_speech()
-    elif kind == "clear_buffer":
-        await ws.send_json({"type": "cleared", "dropped_s": round(session.clear_buffer(), 3)})
-    elif kind == "keep_alive":
-        session.keep_alive()
-    else:
-        await ws.send_json({"type": "error", "error": 'control messages are JSON {"type": '
-                            '"end_of_speech" | "clear_buffer" | "keep_alive"}'})
-
-
-async def session_hls(request: web.Request) -> web.StreamResponse:
-    found = _session_entry(request)
-    if isinstance(found, web.Response):
-        return found
-    name = request.match_info["name"]
-    if not _HLS_NAME.match(name):
-        return _error(404, "no such file")
-    path = found[1].dir / "hls" / name
-    if not path.is_file():
-        return _error(404, "not published yet")
-    if name == PLAYLIST:
-        text = path.read_text()
-        token = request.query.get("token")
-        if token:  # players do not carry the query over to segment URIs: add it
-            text = re.sub(r"^(segment_\d{5}\.ts)$", rf"\1?token={token}", text, flags=re.M)
-        return web.Response(text=text, content_type="application/vnd.apple.mpegurl")
-    return web.FileResponse(path, headers={"Content-Type": "video/mp2t"})
+        "model": request.app[MODELS].name,
+        "capacity": None if cap is None else cap.as_dict(),
+        "live_sessions": sessions.live_count(), "refused": sessions.refused,
+        "playout_delay_s": round(sessions.playout_delay_s, 3),
+        "scheduler": sched.stats.as_dict(),
+    })
 
 
 async def get_openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_schema())
 
 
+async def get_page(request: web.Request) -> web.Response:
+    page = resources.files("avatarstream.serve").joinpath("static/index.html").read_text()
+    return web.Response(text=page, content_type="text/html")
+
+
+@web.middleware
+async def json_errors(request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+    """Unknown routes and unexpected failures answer JSON too (the log keeps the traceback)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status >= 400 and e.content_type != "application/json":
+            return error(e.status, e.reason or "error")
+        raise
+    except AvatarStreamError as e:
+        return error(400, str(e))
+    except Exception:
+        log.exception("request %s %s failed", request.method, request.path)
+        return error(500, "internal error (see the server log)")
+
+
 async def _reaper(app: web.Application) -> None:
     while True:
         await asyncio.sleep(app[CONFIG].reap_every_s)
-        await app[SESSIONS].reap()
+        try:
+            await app[SESSIONS].reap()
+        except Exception:  # noqa: BLE001 - keep reaping
+            log.warning("reaping sessions failed", exc_info=True)
+
+
+def _measure(models: ModelSet, config: ServerConfig, sched: ChunkScheduler,
+             sessions: SessionManager) -> None:
+    """Capacity and playout delay from the model's measured chunk time on this machine."""
+    import torch
+
+    from avatarstream.bench.inputs import face_image
+    from avatarstream.serve.prepared import prepare_reference
+    from avatarstream.serve.scheduler import calibrate, measure_steps
+
+    c = models.config
+    frames = torch.from_numpy(face_image(c.hr_size)).permute(2, 0, 1).unsqueeze(0)
+    prepared = prepare_reference(models, frames)
+    if config.max_sessions is None:
+        sched.capacity = calibrate(models, prepared)
+        step = sched.capacity.step_base_s + sched.capacity.step_per_session_s
+    else:
+        sched.capacity = Capacity(max_sessions=config.max_sessions)
+        step = measure_steps(models, prepared, 1, steps=2)[0] if config.playout_delay_s is None else 0.0
+    if config.playout_delay_s is None:
+        sessions.playout_delay_s = playout_delay(models, step, config.session.lead_s)
+    log.info("capacity %s, playout delay %.2f s", sched.capacity.as_dict(), sessions.playout_delay_s)
+
+
+def playout_delay(models: ModelSet, step_s: float, lead_s: float) -> float:
+    """The WebRTC playout delay that lets speech arriving in real time never wait for video:
+    the first chunk's audio (plus the audio look-ahead) arriving, plus 1.5 chunk times, minus
+    the lead the timeline already has over the wall clock."""
+    from avatarstream.engine.pipeline import Pipeline
+
+    c = models.config
+    pipe = Pipeline(models)
+    horizon = pipe._schedule().horizon()  # latents the first chunk needs
+    frames = pipe.clock.video_span(horizon - 1)[1] + 2  # + audio look-ahead and window
+    return round(max(0.1, frames / c.fps + 1.5 * step_s - lead_s), 3)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    sched = app[SCHEDULER]
+    await asyncio.to_thread(_measure, app[MODELS], app[CONFIG], sched, app[SESSIONS])
+    sched.start()
     task = asyncio.create_task(_reaper(app))
     yield
     task.cancel()
     await app[SESSIONS].close_all()
+    await asyncio.to_thread(sched.stop)
     app[AVATARS].close()
 
 
 def make_app(models: ModelSet, config: ServerConfig) -> web.Application:
     """The aiohttp application serving `models` with state under `config.data_dir`."""
+    from avatarstream.serve import routes_renders, routes_sessions
+
     c = models.config
-    app = web.Application(client_max_size=config.limits.max_bytes + 1024)
+    app = web.Application(client_max_size=config.limits.max_bytes + 1024, middlewares=[json_errors])
     app[CONFIG] = config
+    app[MODELS] = models
     app[AVATARS] = AvatarStore(config.data_dir, size=c.hr_size, max_frames=c.ref_pixel_frames,
-                                 limits=config.limits)
-    app[SESSIONS] = SessionManager(models, config)
+                               limits=config.limits, models=models)
+    app[SCHEDULER] = ChunkScheduler(models, batching=config.batching)
+    app[SESSIONS] = SessionManager(models, config, app[SCHEDULER])
+    app[RENDERS] = RenderManager(config.data_dir, models, max_seconds=config.max_render_seconds)
+    app[TTS] = TextToSpeech(piper_voice=config.piper_voice, max_chars=config.max_text_chars)
     app.cleanup_ctx.append(_lifecycle)
+    app.router.add_get("/", get_page)
     app.router.add_get("/openapi.json", get_openapi)
+    app.router.add_get("/v1/server", get_server)
+    app.router.add_get("/v1/voices", get_voices)
     app.router.add_post("/v1/avatars", post_avatar)
     app.router.add_get("/v1/avatars/{id}", get_avatar)
-    app.router.add_post("/v1/sessions", post_session)
-    app.router.add_delete("/v1/sessions/{id}", delete_session)
-    app.router.add_get("/v1/sessions/{id}/audio", session_audio)
-    app.router.add_get("/v1/sessions/{id}/hls/{name}", session_hls)
+    routes_sessions.add_routes(app)
+    routes_renders.add_routes(app)
     return app

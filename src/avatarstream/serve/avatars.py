@@ -1,9 +1,12 @@
 """AvatarStore: uploaded references, prepared once, kept across sessions and restarts.
 
-Metadata lives in SQLite (`avatars.sqlite` in the data folder); the prepared reference frames
-(decoded, cropped and resized to the model's resolution: [F, 3, H, W] uint8) in a safetensors
-file named by the avatar's id. Ids are generated here (random hex), never taken from a client as
-a path. An avatar belongs to the API key that created it: a lookup with another key finds
+Metadata lives in SQLite (`avatars.sqlite` in the data folder); the reference frames (decoded,
+cropped and resized to the model's resolution: [F, 3, H, W] uint8) in a safetensors file named by
+the avatar's id, and, per model, the encoded reference (VAE latents -> DiT and refiner K/V
+caches: serve/prepared.py) in `{id}.{model}.ref.safetensors`. The encoding runs once, at upload
+for the server's model (so a reference with nothing usable is refused right there) or at the
+first session of another model, and is then loaded by every session, across restarts. Ids are
+generated here (random hex), never taken from a client as a path. An avatar belongs to the API key that created it: a lookup with another key finds
 nothing (the server answers 404, so ids of others cannot even be confirmed).
 """
 
@@ -22,10 +25,14 @@ import av
 import torch
 from safetensors.torch import load_file, save_file
 
+from avatarstream.engine.pipeline import ModelSet
 from avatarstream.errors import InputError
 from avatarstream.media.reference import load_reference
+from avatarstream.serve.prepared import (PreparedReference, load_prepared, prepare_reference,
+                                         save_prepared)
 
 _ID = re.compile(r"^[0-9a-f]{24}$")
+_MODEL = re.compile(r"[^A-Za-z0-9._-]")
 
 # Accepted upload types -> file suffix load_reference understands.
 UPLOAD_TYPES = {
@@ -66,12 +73,15 @@ def key_fingerprint(api_key: str) -> str:
 
 class AvatarStore:
     def __init__(self, data_dir: str | Path, *, size: int, max_frames: int,
-                 limits: UploadLimits | None = None) -> None:
+                 limits: UploadLimits | None = None, models: ModelSet | None = None) -> None:
         self.dir = Path(data_dir) / "avatars"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.size, self.max_frames = size, max_frames
         self.limits = limits or UploadLimits()
+        self.models = models
         self._lock = threading.Lock()
+        self._prepare_lock = threading.Lock()
+        self.encodes = 0  # reference encodings run by this process (the rest were loaded)
         self._db = sqlite3.connect(str(Path(data_dir) / "avatars.sqlite"), check_same_thread=False)
         with self._db:
             self._db.execute(
@@ -100,7 +110,13 @@ class AvatarStore:
             if ctype.startswith("video/"):
                 self._check_duration(tmp)
             ref = load_reference(tmp, size=self.size, max_frames=self.max_frames)
+            prepared = None
+            if self.models is not None:
+                prepared = prepare_reference(self.models, ref.frames)  # InputError if blank
+                self.encodes += 1
             save_file({"frames": ref.frames.contiguous()}, str(self.dir / f"{avatar_id}.safetensors"))
+            if prepared is not None:
+                save_prepared(prepared, self._prepared_path(avatar_id, prepared.model))
         finally:
             tmp.unlink(missing_ok=True)
         avatar = Avatar(avatar_id, time.time(), int(ref.frames.shape[0]), self.size,
@@ -134,5 +150,23 @@ class AvatarStore:
         return Avatar(row[0], row[1], row[2], row[3], bool(row[4]), row[5])
 
     def frames(self, avatar: Avatar) -> torch.Tensor:
-        """The prepared reference frames [F, 3, H, W] uint8."""
+        """The reference frames [F, 3, H, W] uint8."""
         return load_file(str(self.dir / f"{avatar.id}.safetensors"))["frames"]
+
+    def _prepared_path(self, avatar_id: str, model: str) -> Path:
+        return self.dir / f"{avatar_id}.{_MODEL.sub('_', model)}.ref.safetensors"
+
+    def prepared(self, avatar: Avatar, models: ModelSet) -> PreparedReference:
+        """The avatar's reference encoded for `models`: loaded, or encoded once and stored."""
+        path = self._prepared_path(avatar.id, models.name)
+        with self._prepare_lock:
+            if path.is_file():
+                return load_prepared(path)
+            prepared = prepare_reference(models, self.frames(avatar))
+            self.encodes += 1
+            save_prepared(prepared, path)
+            return prepared
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM avatars").fetchone()[0])

@@ -1,8 +1,9 @@
-"""`avatarstream serve`: the HTTP + WebSocket live-session server (add_arguments / run)."""
+"""`avatarstream serve`: the live-session server (add_arguments / run)."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,17 +13,40 @@ from avatarstream.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def default_model() -> str:
+    """The registry's default model: its DEFAULT_MODEL when it names one, else the bundled
+    `avatarstream-small` once it is registered, else `tiny-random`."""
+    from avatarstream import registry
+
+    named = getattr(registry, "DEFAULT_MODEL", None)
+    if isinstance(named, str) and named in registry.MODELS:
+        return named
+    return "avatarstream-small" if "avatarstream-small" in registry.MODELS else "tiny-random"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="tiny-random", help="model name (see `avatarstream models`)")
+    p.add_argument("--model", default=None,
+                   help="model name (see `avatarstream models`; default: the registry's default)")
     p.add_argument("--data-dir", default="serve-data",
-                   help="folder for avatars (SQLite + tensors) and live session files")
+                   help="folder for avatars (SQLite + tensors), renders and live session files")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="accept only this bearer key (repeatable; default: any non-empty key)")
     p.add_argument("--idle-timeout", type=float, default=30.0,
                    help="end a session after this many seconds without speech or keep-alive")
     p.add_argument("--max-upload-mb", type=float, default=50.0)
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="live sessions served at once (default: measured at start-up; the "
+                        "sessions beyond it are refused with 503)")
+    p.add_argument("--playout-delay", type=float, default=None,
+                   help="WebRTC playout delay in seconds (default: from the measured chunk time)")
+    p.add_argument("--lead", type=float, default=0.3,
+                   help="how far (s) a session's timeline may run ahead of the wall clock")
+    p.add_argument("--no-batching", action="store_true",
+                   help="run every session's chunks on their own (for comparison)")
+    p.add_argument("--piper-voice", default=None, metavar="MODEL.onnx",
+                   help="a piper voice model for the 'piper' TTS voice (needs avatarstream[piper])")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -35,21 +59,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from avatarstream.serve.app import ServerConfig, make_app
     from avatarstream.serve.avatars import UploadLimits
     from avatarstream.serve.session import LiveSessionConfig
+    from avatarstream.serve.webrtc import use_host_addresses
 
-    if args.model not in MODELS:
-        raise ConfigError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
+    model = args.model or default_model()
+    if model not in MODELS:
+        raise ConfigError(f"unknown model {model!r}; available: {', '.join(available_models())}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1-65535, got {args.port}")
+    if args.max_sessions is not None and args.max_sessions < 0:
+        raise ConfigError("--max-sessions must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    # WebRTC host candidates: loopback only for a loopback server, else the machine's addresses.
+    use_host_addresses(["127.0.0.1"] if loopback else None)
     config = ServerConfig(
         data_dir=Path(args.data_dir),
         api_keys=frozenset(args.api_key) if args.api_key else None,
         limits=UploadLimits(max_bytes=int(args.max_upload_mb * 1024 * 1024)),
-        session=LiveSessionConfig(idle_timeout_s=args.idle_timeout),
+        session=LiveSessionConfig(idle_timeout_s=args.idle_timeout, lead_s=args.lead),
+        max_sessions=args.max_sessions, playout_delay_s=args.playout_delay,
+        piper_voice=args.piper_voice, batching=not args.no_batching,
     )
-    app = make_app(load_model(args.model), config)
-    log.info("serving %s on http://%s:%d (data in %s)", args.model, args.host, args.port,
+    app = make_app(load_model(model), config)
+    log.info("serving %s on http://%s:%d (data in %s)", model, args.host, args.port,
              config.data_dir)
     web.run_app(app, host=args.host, port=args.port, print=None)
-    return {"host": args.host, "port": args.port, "model": args.model}
+    return {"host": args.host, "port": args.port, "model": model}

@@ -62,6 +62,9 @@ def _export_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="avatarstream train export", add_help=False)
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", required=True)
+    p.add_argument("--prepared", default=None,
+                   help="prepared file whose VAE to bundle (default: the one the runs trained on)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="storage dtype")
     return p
 
 
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from avatarstream.train.export import export
 
         ns = _parse(_export_parser(), args.rest)
-        return export(ns.runs, ns.out)
+        return export(ns.runs, ns.out, prepared=ns.prepared, dtype=ns.dtype)
     ns = _parse(_run_parser(), args.rest)
     from avatarstream.train.recipe import load_recipe
     from avatarstream.train.trainer import Trainer

@@ -13,7 +13,10 @@ Two sources:
   (`clip_bytes`): `(1 + k) · C · (h² + 4h²) · 2` bytes of latents + `2 · samples` of audio +
   `F · len(FRAME_KEYS) · 2` of annotations; for the small model (C = 16, h = 16) a 4-second
   clip (101 frames, 26 latent frames) is 26·16·1280·2 ≈ 1.06 MB + 128 kB audio + 4 kB ≈ 1.2 MB,
-  so ~50 four-second clips (≈ 3.3 minutes of video) fit in 64 MiB.
+  so ~50 four-second clips (≈ 3.3 minutes of video) fit in 64 MiB. Latents are stored
+  normalised per channel (unit scale, what flow matching wants), and the file also holds the VAE
+  they were made with, with those statistics folded in (`vae.*`, `CausalVAE.fold_latent_stats`):
+  the VAE `train export` bundles, so inference encodes and decodes in the same normalised space.
 
 Motion descriptor (`motion_descriptor`, the target of the DiT's motion stream): per latent frame
 j, the mean over the video frames it encodes (frame 0 for j = 0, frames 4j−3..4j after) of the
@@ -25,6 +28,7 @@ small: 16 = the 12 keys + 4 zeros).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -46,7 +50,7 @@ MOTION_NORM = {"mouth_open": (0.3, 0.3), "mouth_width": (0.0, 0.4), "mouth_round
                "yaw": (0.0, 2.0), "pitch": (1.0, 2.0), "roll": (0.0, 1.3), "smile": (0.0, 0.3),
                "blink": (0.1, 0.3), "brow": (0.3, 0.3), "gaze_x": (0.0, 0.3), "gaze_y": (0.0, 0.1),
                "teeth": (0.3, 0.3)}
-PREPARED_VERSION = 1
+PREPARED_VERSION = 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,14 +243,28 @@ def prepare(shards: str | Path, vae: torch.nn.Module, out: str | Path, *, lr_siz
         wave_off += samples
     if not clips:
         raise InputError(f"{shards}: no clip with at least 5 frames")
-    tensors = {"lr": torch.cat(lr_l), "hr": torch.cat(hr_l), "wave": torch.cat(waves),
+    lr_raw, hr_raw = torch.cat(lr_l).float(), torch.cat(hr_l).float()
+    # Per-channel statistics of the raw latents (LR and HR pooled: one VAE, one latent space),
+    # folded into the VAE so that its latents are unit-scale from here on (`fold_latent_stats`).
+    both = torch.cat([lr_raw.transpose(0, 1).flatten(1), hr_raw.transpose(0, 1).flatten(1)], 1)
+    mean, std = both.mean(1), both.std(1).clamp_min(1e-3)
+    folded = copy.deepcopy(vae).cpu().float().fold_latent_stats(mean, std)
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return ((t - mean[None, :, None, None]) / std[None, :, None, None]).half()
+
+    tensors = {"lr": norm(lr_raw), "hr": norm(hr_raw), "wave": torch.cat(waves),
                "frames": torch.cat(tables)}
+    tensors.update({f"vae.{k}": v.detach().contiguous() for k, v in folded.state_dict().items()})
     lrf = tensors["lr"].float()
     stats = {"lr_mean": round(float(lrf.mean()), 4), "lr_std": round(float(lrf.std()), 4),
-             "hr_std": round(float(tensors["hr"].float().std()), 4)}
+             "hr_std": round(float(tensors["hr"].float().std()), 4),
+             "raw_std": round(float(both.std()), 4),
+             "channel_mean": [round(float(v), 4) for v in mean],
+             "channel_std": [round(float(v), 4) for v in std]}
     meta = {"version": PREPARED_VERSION, "lr_size": lr_size, "hr_size": hr_size, "fps": 25,
             "sample_rate": 16000, "frame_keys": list(FRAME_KEYS), "clips": clips, "stats": stats,
-            "source": str(shards)}
+            "source": str(shards), "vae": "vae.* = the encoding VAE with the latent statistics folded in"}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -256,7 +274,8 @@ def prepare(shards: str | Path, vae: torch.nn.Module, out: str | Path, *, lr_siz
     seconds = sum(c["frames"] for c in clips) / 25
     return {"out": str(out), "clips": len(clips), "bytes": size, "bytes_per_clip": size // len(clips),
             "bytes_per_second": int(size / seconds), "seconds": round(seconds, 2),
-            "identities": len({c["identity"] for c in clips}), **stats}
+            "identities": len({c["identity"] for c in clips}),
+            **{k: v for k, v in stats.items() if not k.startswith("channel_")}}
 
 
 class PreparedData:
@@ -276,6 +295,7 @@ class PreparedData:
         if meta.get("version") != PREPARED_VERSION:
             raise InputError(f"{path} is not a prepared training file of version {PREPARED_VERSION}")
         t = load_file(str(path))
+        self.vae_state = {k[4:]: v for k, v in t.items() if k.startswith("vae.")}
         self.meta = meta
         self.clips: list[dict[str, Any]] = meta["clips"]
         self.lr = t["lr"].float()

@@ -25,8 +25,45 @@ from avatarstream.train.tasks import NETS, build_nets, init_net
 from avatarstream.train.trainer import load_checkpoint
 
 
-def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0) -> dict[str, Any]:
+def _prepared_vae(runs: list[tuple[Path, dict, dict]], prepared: str | Path | None) -> tuple[dict | None, str | None]:
+    """The VAE state (latent statistics folded in) of the prepared file the latent-space runs
+    trained on: `prepared` if given, else the `data.prepared` of the runs' recipes. (None, None)
+    when no run trained on a prepared file (e.g. a VAE-only export)."""
+    from safetensors.torch import load_file
+
+    if prepared is None:
+        paths = set()
+        for rd, _, _ in runs:
+            rec = rd / "recipe.json"
+            if rec.is_file():
+                p = json.loads(rec.read_text()).get("data", {}).get("prepared", "")
+                if p:
+                    paths.add(p)
+        if not paths:
+            return None, None
+        if len(paths) > 1:
+            raise InputError(f"the runs trained on different prepared files {sorted(paths)}; "
+                             "pass --prepared FILE (the one whose VAE to bundle)")
+        prepared = paths.pop()
+    prepared = Path(prepared)
+    if not prepared.is_file():
+        raise InputError(f"{prepared}: the prepared file the runs trained on is missing; its VAE (with "
+                         "the latent statistics folded in) is the one to bundle: pass --prepared FILE")
+    t = load_file(str(prepared))
+    vae = {k[4:]: v for k, v in t.items() if k.startswith("vae.")}
+    if not vae:
+        raise InputError(f"{prepared}: no VAE inside (an old prepared file?); re-run `train prepare`")
+    return vae, str(prepared)
+
+
+def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepared: str | Path | None = None,
+           dtype: str = "bf16") -> dict[str, Any]:
+    """dtype: storage of floating-point tensors ("bf16" halves the bundle; loading casts back to
+    the model's dtype) or "fp32"."""
     from safetensors.torch import save_file
+
+    if dtype not in ("bf16", "fp32"):
+        raise InputError(f"--dtype must be bf16 or fp32, got {dtype!r}")
 
     runs = []
     for rd in run_dirs:
@@ -43,8 +80,13 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0) -> dic
     trained: dict[str, str] = {}
     frozen: dict[str, str] = {}
     untrained: list[str] = []
+    vae_state, vae_src = _prepared_vae(runs, prepared)
     for i, name in enumerate(sorted(nets)):
         net = nets[name]
+        if name == "vae" and vae_state is not None:
+            net.load_state_dict(vae_state)
+            trained[name] = vae_src
+            continue
         src = next(((rd, t) for rd, side, t in runs if name in side["trainable"]), None)
         prefix = f"ema.{name}."
         if src is None:
@@ -66,14 +108,16 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0) -> dic
     total = 0
     for name in NETS:
         p = out / f"{name}.safetensors"
-        save_file({k: v.detach().contiguous() for k, v in nets[name].state_dict().items()}, str(p))
+        store = torch.bfloat16 if dtype == "bf16" else torch.float32
+        save_file({k: (v.to(store) if v.is_floating_point() else v).detach().contiguous()
+                   for k, v in nets[name].state_dict().items()}, str(p))
         total += p.stat().st_size
     from avatarstream.registry import _small_pipeline, _tiny_pipeline
 
     pipe = (_tiny_pipeline if model == "tiny" else _small_pipeline)()
     cfg = {"model": model,
            "configs": {n: dataclasses.asdict(nets[n].cfg if n == "vae" else nets[n].config) for n in NETS},
-           "pipeline": dataclasses.asdict(pipe), "trained": trained, "frozen_copies": frozen,
+           "pipeline": dataclasses.asdict(pipe), "trained": trained, "dtype": dtype, "frozen_copies": frozen,
            "untrained": untrained}
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     return {"out": str(out), "model": model, "bytes": total, "trained": trained,
@@ -92,9 +136,18 @@ def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     m = cfg["model"]
-    pick = lambda c: getattr(c, m)  # noqa: E731
-    return ModelSpec(name or folder.name, pick(DiTConfig), pick(RefinerConfig), pick(VAEConfig),
-                     pick(AudioConfig), pick(TextConfig), _tiny_pipeline if m == "tiny" else _small_pipeline,
+    stored = cfg.get("configs", {})
+
+    def pick(cls, key):  # type: ignore[no-untyped-def]
+        """The sizes the weights were exported with (config.json), not today's preset."""
+        if key not in stored:
+            return getattr(cls, m)
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in stored[key].items()}
+        return lambda: cls(**kw)
+
+    return ModelSpec(name or folder.name, pick(DiTConfig, "dit"), pick(RefinerConfig, "refiner"),
+                     pick(VAEConfig, "vae"), pick(AudioConfig, "audio"), pick(TextConfig, "text"),
+                     _tiny_pipeline if m == "tiny" else _small_pipeline,
                      weights=folder, description=f"trained ({m}) from {folder}")
 
 

@@ -6,7 +6,8 @@ registry's network sizes and geometry) and sections whose every key has a defaul
 path or a name looked up in the `recipes/` folder (of the current directory, then of the source
 checkout). `--set section.key=value` overrides (value parsed as TOML, else a string).
 
-Stages: `vae`, `a2v` (pre-training and personality SFT), `sr`, `cfg-distill`.
+Stages: `vae`, `a2v` (pre-training and personality SFT), `sr`, `cfg-distill`, and the causal
+student's `df` (diffusion forcing) and `dmd` (Self-Forcing DMD).
 Sections: `[train]` (steps, batch, seed, optimiser, EMA, precision, checkpoints), `[data]`
 (`shards` for vae, `prepared` for a2v/sr; relative paths are relative to the working
 directory, so run from the repository root),
@@ -26,7 +27,7 @@ from typing import Any
 
 from avatarstream.errors import ConfigError
 
-STAGES = ("vae", "a2v", "sr", "cfg-distill")
+STAGES = ("vae", "a2v", "sr", "cfg-distill", "df", "dmd")
 MODELS = ("tiny", "small")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -42,7 +43,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             "logit_mean": 0.0, "logit_std": 1.0, "motion": 0.5, "ref_motion": 0.1, "mouth": 2.0,
             "eyes": 1.0, "radius": 0.06, "p_drop_audio": 0.1, "p_drop_ref": 0.05, "p_empty_text": 0.5,
             "p_cross_scene": 1.0, "audio_window": 1, "ref_t_position": -8.0, "train_audio": True,
-            "train_text": True},
+            "train_text": True, "human_sync": 0.0, "human_identity": 0.0, "p_human": 1.0,
+            "human_context": 4},
     "cfg-distill": {},
     "sr": {"chunk": 4, "ref_frames": 8, "sigma": 0.6, "p_sigma_jitter": 0.25, "sigma_jitter": 0.2,
            "lr_noise": 0.05, "mouth": 2.0, "eyes": 1.0, "radius": 0.06, "p_empty_text": 0.5,
@@ -50,8 +52,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-DEFAULTS["cfg-distill"] = {**DEFAULTS["a2v"], "p_drop_audio": 0.0, "p_drop_ref": 0.0, "audio_scale": 3.0,
+DEFAULTS["cfg-distill"] = {**DEFAULTS["a2v"], "human_sync": 0.0, "human_identity": 0.0, "p_drop_audio": 0.0, "p_drop_ref": 0.0, "audio_scale": 3.0,
                            "ref_scale": 1.5, "train_audio": False, "train_text": False}
+
+# The causal student (train/causal_tasks.py): diffusion forcing, then Self-Forcing DMD.
+_CAUSAL = {"chunk": 12, "block": 3, "history": 4, "ref_frames": 8, "p_cross_scene": 1.0, "audio_window": 1,
+           "p_empty_text": 0.5, "ref_t_position": -8.0, "rolling_rope": True, "logit_mean": 0.0,
+           "logit_std": 1.0, "motion": 0.5}
+DEFAULTS["df"] = {**_CAUSAL, "p_shared_sigma": 0.25, "mouth": 2.0, "eyes": 1.0, "radius": 0.06}
+DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigma_max": 0.98,
+                   "history_corrupt": 0.05, "adaptive_sink": True, "blockwise_grad": True, "teacher": ""}
 
 
 def recipe_dirs() -> list[Path]:

@@ -324,6 +324,18 @@ class A2VTask(_LatentTask):
         if self.T < max(3, c["overlap"] + 1):
             raise ConfigError("a2v: chunk must exceed overlap and be at least 3")
         self.mode_p = torch.tensor(p, dtype=torch.float64) / sum(p)
+        self.human = None
+        if c["human_sync"] > 0 or c["human_identity"] > 0:
+            from avatarstream.train.human import HumanLoss
+
+            if c["human_context"] < 1:
+                raise ConfigError("a2v: human_context must be at least 1 (the decoder needs the window's past)")
+            if not self.data.vae_state:
+                raise ConfigError(f"{recipe['data']['prepared']}: no VAE inside (needed by human_sync/"
+                                  "human_identity); re-run `avatarstream train prepare`")
+            vae = build_nets(recipe["model"])["vae"]
+            vae.load_state_dict(self.data.vae_state)
+            self.human = HumanLoss(vae.to(device), context=c["human_context"])
 
     def uses(self) -> tuple[str, ...]:
         return ("dit", "audio", "text")
@@ -418,9 +430,24 @@ class A2VTask(_LatentTask):
         else:
             loss_rm = torch.zeros((), device=self.device)
         total = loss_v + c["motion"] * loss_m + c["ref_motion"] * loss_rm
-        return total, {"loss": float(total.detach()), "flow": float(loss_v.detach()),
-                       "motion": float(loss_m.detach()), "ref_motion": float(loss_rm.detach()),
-                       "sigma": float(b["sig"].mean()), "cross_scene": b["cross"]}
+        logs = {"loss": 0.0, "flow": float(loss_v.detach()), "motion": float(loss_m.detach()),
+                "ref_motion": float(loss_rm.detach()), "sigma": float(b["sig"].mean()), "cross_scene": b["cross"]}
+        if self.human is not None and _rand(g) < c["p_human"]:
+            sync, ident = self.human_losses(b, out.velocity)
+            total = total + c["human_sync"] * sync + c["human_identity"] * ident
+            logs.update(human_sync=float(sync.detach()), human_identity=float(ident.detach()))
+        logs["loss"] = float(total.detach())
+        return total, logs
+
+    def human_losses(self, b: dict[str, Any], v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert losses (train/human.py) on the batch's first element: its clean estimate
+        x̂0 = x_σ − σ·v̂ decoded after up to `human_context` clean latents of the same clip."""
+        i, p0 = b["clips"][0], b["starts"][0]
+        s5 = b["sigma"][:1, None, :, None, None]
+        x0_hat = b["xs"][:1] - s5 * v[:1].float()
+        k = min(self.cfg["human_context"], p0)
+        ctx = self.data.latents(i, p0 - k, k)[None].to(self.device) if k > 0 else None
+        return self.human(x0_hat, b["x0"][:1], ctx, p0, self.data.wave_of(i))
 
 
 class CFGDistillTask(A2VTask):
@@ -533,6 +560,10 @@ TASKS = {"vae": VAETask, "a2v": A2VTask, "sr": SRTask, "cfg-distill": CFGDistill
 
 
 def make_task(recipe: dict[str, Any], device: torch.device) -> Task:
+    if recipe["stage"] in ("df", "dmd"):  # the causal student's stages (train/causal_tasks.py)
+        from avatarstream.train.causal_tasks import CAUSAL_TASKS
+
+        return CAUSAL_TASKS[recipe["stage"]](recipe, device)
     return TASKS[recipe["stage"]](recipe, device)
 
 

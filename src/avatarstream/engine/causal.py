@@ -1,0 +1,154 @@
+"""Causal streaming with timestep forcing (Live Avatar Algorithm 3; one worker's share of Alg. 4).
+
+`CausalDenoiser` owns the rolling state of the block-causal DiT for one stream:
+- one `RollingKVCache` per denoising step it runs (timestep forcing: block i at step j attends to
+  the K/V the previous blocks produced at step j, i.e. at the same noise level);
+- the `SinkCache` (reference K/V, cached once per sink);
+- the number of blocks done.
+
+Its two named mechanisms of the Rolling Sink Frame Mechanism (sec. 4.4):
+- `rolling_rope_position`: where the sink sits in time for the current block. With Rolling RoPE
+  the sink keeps the offset it has in training from the first frame of the attention window
+  (`ref_t_position` before the oldest block attended to), so the sink-to-block distances stay
+  the ones the model was trained on however long the stream runs. Without it the sink stays at
+  `ref_t_position` and drifts ever further away.
+- `adaptive_attention_sink`: after the first block, the sink becomes the model's own first
+  generated latent frame (timeline latent 0: a VAE latent of one video frame, the same kind of
+  latent as a reference image) encoded once as a reference.
+
+Running all steps in one process is Algorithm 3; a TPP worker (`parallel/tpp.py`) runs the same
+object with `steps` = its share, so its output is the single-process output by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from avatarstream.cache.kv import RollingKVCache
+from avatarstream.cache.reference import ReferenceCache
+from avatarstream.cache.sink import SinkCache
+from avatarstream.engine.module import Module
+from avatarstream.models.causal import causal_block_forward
+from avatarstream.models.dit import DiTCondition
+from avatarstream.samplers import sample_euler, sample_stochastic_euler
+
+
+@dataclass(frozen=True)
+class CausalSettings:
+    """The causal strategy's knobs (defaults: Live Avatar's)."""
+
+    block: int = 3  # latent frames per block
+    kv_blocks: int = 4  # blocks of history in each rolling KV cache
+    adaptive_sink: bool = True  # AAS: the first generated frame replaces the reference as sink
+    rolling_rope: bool = True  # the sink's temporal position moves with the attention window
+    ref_t_position: float = -8.0  # sink offset from the window's first frame (training geometry)
+
+
+def pack(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Latents [B,C,T,h,w] and motion [B,T,Dm] as one flat state [B, N] (what a worker sends)."""
+    return torch.cat([x.flatten(1), m.flatten(1)], dim=1)
+
+
+def unpack(flat: torch.Tensor, x_shape: torch.Size, m_shape: torch.Size
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x_shape[1:].numel()
+    return flat[:, :n].reshape(x_shape), flat[:, n:].reshape(m_shape)
+
+
+def step_generator(seed: int, block: int, step: int) -> torch.Generator:
+    """Fresh-noise generator of (block, step) for the stochastic sampler: any process that runs
+    that step of that block draws the same noise."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + block) * 1009 + step)
+
+
+class CausalDenoiser:
+    """Rolling state + the per-block loop of Algorithm 3 over `steps` (default: all)."""
+
+    def __init__(self, dit: Module, sigmas: torch.Tensor, settings: CausalSettings, *,
+                 steps: Sequence[int] | None = None, sampler: str = "euler",
+                 overshoot: float = 0.2, seed: int = 0) -> None:
+        if sampler not in ("euler", "stochastic"):
+            raise ValueError(f"unknown sampler {sampler!r}")
+        self.dit, self.sigmas, self.settings = dit, sigmas, settings
+        n = sigmas.numel() - 1
+        self.steps = list(range(n)) if steps is None else list(steps)
+        if any(not 0 <= j < n for j in self.steps):
+            raise ValueError(f"steps {self.steps} outside 0..{n - 1}")
+        self.sampler, self.overshoot, self.seed = sampler, overshoot, seed
+        cfg = dit.model.config
+        self.caches = {j: RollingKVCache(cfg.depth, settings.kv_blocks) for j in self.steps}
+        self.sink: SinkCache | None = None
+        self.blocks_done = 0
+
+    # -- the sink ----------------------------------------------------------------------------------
+    def start(self, reference: ReferenceCache) -> None:
+        """The reference (encoded at `ref_t_position`) is the first sink."""
+        cfg = self.dit.model.config
+        self.sink = SinkCache(reference, self.settings.ref_t_position,
+                              head_dim=cfg.dim // cfg.heads, theta=cfg.rope_theta)
+
+    def rolling_rope_position(self, block_start: int) -> float:
+        """Φ: the sink's temporal position while the block starting at `block_start` is denoised."""
+        s = self.settings
+        if not s.rolling_rope:
+            return s.ref_t_position
+        held = [c.window_start() for c in self.caches.values()]
+        first = held[0] if held and held[0] is not None else block_start
+        return first + s.ref_t_position
+
+    def adaptive_attention_sink(self, first_frame: torch.Tensor) -> None:
+        """AAS: `first_frame` `[B, C, 1, h, w]` (the clean first generated latent) becomes the sink."""
+        assert self.sink is not None
+        pos = torch.full((1,), self.settings.ref_t_position)
+        ref = self.dit.call("encode_reference", first_frame, None, pos)
+        self.sink.replace(ref, self.settings.ref_t_position)
+
+    # -- one block ---------------------------------------------------------------------------------
+    def denoise(self, x: torch.Tensor, m: torch.Tensor, *, audio: torch.Tensor,
+                text: torch.Tensor | None, text_mask: torch.Tensor | None,
+                positions: Sequence[int], block: int,
+                record: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this denoiser's steps on block `block` (timeline `positions`, `len = block size`).
+
+        x `[B, C, Tb, h, w]` at sigma = sigmas[steps[0]], m `[B, Tb, Dm]`; returns both at
+        sigmas[steps[-1] + 1]. Each step's K/V goes into that step's cache afterwards.
+        `record` (tests): gets (step, x_in, m_in, velocity, motion_velocity) per step.
+        """
+        if self.sink is None:
+            raise RuntimeError("CausalDenoiser.start(reference) must come first")
+        t_pos = torch.tensor([float(p) for p in positions])
+        sink = self.sink.at(self.rolling_rope_position(int(positions[0])))
+        b, tb = x.shape[0], x.shape[2]
+        for j in self.steps:
+            cache = self.caches[j]
+            kv_out = []
+
+            def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+                xs, ms = unpack(flat, x.shape, m.shape)
+                cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos)
+                sig = torch.full((b, tb), float(sigma))
+                out, kv = self.dit.run(causal_block_forward, self.dit.model, xs, sig, cond, sink, cache)
+                kv_out.append(kv)
+                v, mv = out.velocity.float(), out.motion_velocity.float()
+                if record is not None:
+                    record.append((j, xs.clone(), ms.clone(), v.clone(), mv.clone()))
+                return pack(v, mv)
+
+            sig = self.sigmas[j : j + 2]
+            state = pack(x.float(), m.float())
+            if self.sampler == "euler":
+                state = sample_euler(denoise, state, sig)
+            else:
+                state = sample_stochastic_euler(denoise, state, sig, overshoot=self.overshoot,
+                                                generator=step_generator(self.seed, block, j))
+            x, m = unpack(state, x.shape, m.shape)
+            cache.append(kv_out[0], int(positions[0]))
+        self.blocks_done += 1
+        return x, m
+
+    def nbytes(self) -> int:
+        n = sum(c.nbytes() for c in self.caches.values())
+        return n + (self.sink.nbytes() if self.sink is not None else 0)

@@ -1,0 +1,271 @@
+"""Session routes: create, status, WebRTC offer/answer, the audio WebSocket, TTS, control, HLS.
+
+The WebSocket carries binary PCM16 mono 16 kHz speech and JSON text messages both ways:
+client -> server `{"type": "end_of_speech" | "clear_buffer" | "keep_alive"}` and
+`{"type": "text", "text": ..., "voice": ...}`; server -> client `slow_down` (a packet did not fit
+the speech buffer: send it again later), `cleared`, `queued`, `error`, and the session's events
+(`playout`, `speech_started`, `speech_ended`, `session_ended`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+
+from aiohttp import WSMsgType, web
+
+from avatarstream.errors import AvatarStreamError
+from avatarstream.serve.app import AVATARS, SESSIONS, TTS, api_key, error
+from avatarstream.serve.avatars import key_fingerprint
+from avatarstream.serve.hls import NAME as HLS_NAME
+from avatarstream.serve.hls import PLAYLIST
+from avatarstream.serve.sessions import AdmissionError, Entry
+
+_SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
+MAX_CONTROL_BYTES = 16 * 1024
+MAX_PACKET_BYTES = 64 * 1024  # 2 s of PCM16 at 16 kHz
+
+
+def _entry(request: web.Request) -> Entry | web.Response:
+    """The session named in the path, if the caller holds its token or its owner's key."""
+    sid = request.match_info["id"]
+    manager = request.app[SESSIONS]
+    entry = manager.entries.get(sid) if _SESSION_ID.match(sid) else None
+    key = api_key(request)
+    token = request.query.get("token")
+    if key is None and token is None:
+        return error(401, "send `Authorization: Bearer KEY` or the session's ?token=")
+    if entry is None:
+        return error(404, "no such session")
+    if not ((token is not None and secrets.compare_digest(token, entry.token))
+            or (key is not None and key_fingerprint(key) == entry.owner)):
+        return error(404, "no such session")
+    return entry
+
+
+async def _json(request: web.Request) -> dict | web.Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error(400, "send a JSON object as the body")
+    if not isinstance(body, dict):
+        return error(400, "send a JSON object as the body")
+    return body
+
+
+async def _entry_json(request: web.Request) -> tuple[Entry, dict] | web.Response:
+    """The session (as `_entry`) and the JSON object body of a session POST."""
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    body = await _json(request)
+    return body if isinstance(body, web.Response) else (entry, body)
+
+
+async def post_session(request: web.Request) -> web.Response:
+    key = api_key(request)
+    if key is None:
+        return error(401, "send `Authorization: Bearer KEY`")
+    body = await _json(request)
+    if isinstance(body, web.Response):
+        return body
+    avatar_id = body.get("avatar_id")
+    if not isinstance(avatar_id, str):
+        return error(400, 'send a JSON body {"avatar_id": "..."}')
+    store = request.app[AVATARS]
+    avatar = store.get(key, avatar_id)
+    if avatar is None:
+        return error(404, "no such avatar")
+    manager = request.app[SESSIONS]
+    frames = await asyncio.to_thread(store.frames, avatar)
+    prepared = await asyncio.to_thread(store.prepared, avatar, manager.models)
+    try:
+        sid, entry = manager.open(key_fingerprint(key), frames, prepared, hls=bool(body.get("hls")))
+    except AdmissionError as e:
+        return error(503, str(e), **{"Retry-After": "10"})
+    t = entry.token
+    out = {
+        "session_id": sid, "token": t,
+        "audio_url": f"/v1/sessions/{sid}/audio?token={t}",
+        "offer_url": f"/v1/sessions/{sid}/offer?token={t}",
+        "say_url": f"/v1/sessions/{sid}/say?token={t}",
+        "hls_url": f"/v1/sessions/{sid}/hls/{PLAYLIST}?token={t}" if entry.hls else None,
+        "sample_rate": manager.models.config.sample_rate,
+        "fps": manager.models.config.fps,
+        "playout_delay_s": round(manager.playout_delay_s, 3),
+    }
+    return web.json_response(out, status=201)
+
+
+async def get_session(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    s = entry.session
+    sched = request.app[SESSIONS].scheduler
+    return web.json_response({
+        "state": "ended" if not s.running else "talking" if s.talking else "idle",
+        "media_s": round(s.frame / s.fps, 3), "lag_s": round(sched.lag_s(s), 3),
+        "buffered_s": round(s.buffered_seconds, 3), "utterances": s.segments,
+        "viewer": entry.peer is not None, "playout_start_s": entry.playout_start_s,
+        "late_frames": entry.playout.late_frames if entry.playout else 0,
+        "events": list(s.events)[-20:],
+    })
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    manager = request.app[SESSIONS]
+    sid = next(k for k, v in manager.entries.items() if v is entry)
+    await manager.close(sid)
+    return web.Response(status=204)
+
+
+async def post_offer(request: web.Request) -> web.Response:
+    found = await _entry_json(request)
+    if isinstance(found, web.Response):
+        return found
+    entry, body = found
+    sdp, kind = body.get("sdp"), body.get("type", "offer")
+    if not isinstance(sdp, str) or kind != "offer" or len(sdp) > 64 * 1024:
+        return error(400, 'send the WebRTC offer as {"sdp": "...", "type": "offer"}')
+    from avatarstream.serve.webrtc import require_aiortc
+
+    try:
+        require_aiortc()
+    except AvatarStreamError as e:
+        return error(501, str(e))
+    try:
+        answer = await request.app[SESSIONS].attach_viewer(entry, sdp, kind)
+    except ValueError as e:
+        return error(400, f"cannot use this offer: {e}")
+    return web.json_response(answer)
+
+
+async def _say(request: web.Request, entry: Entry, text: object, voice: object) -> dict:
+    """Speak `text` in the session (TTS off the event loop); raises AvatarStreamError."""
+    if not isinstance(text, str) or (voice is not None and not isinstance(voice, str)):
+        raise AvatarStreamError('send {"text": "...", "voice": "..."} (voice optional)')
+    samples = await asyncio.to_thread(request.app[TTS].speak, text, voice)
+    if not entry.session.say(samples):
+        raise AvatarStreamError("too much speech is queued in this session; wait or interrupt")
+    return {"type": "queued", "seconds": round(samples.size / 16000, 3)}
+
+
+async def post_say(request: web.Request) -> web.Response:
+    found = await _entry_json(request)
+    if isinstance(found, web.Response):
+        return found
+    entry, body = found
+    try:
+        out = await _say(request, entry, body.get("text"), body.get("voice"))
+    except AvatarStreamError as e:
+        return error(400, str(e))
+    return web.json_response(out, status=202)
+
+
+async def post_control(request: web.Request) -> web.Response:
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    action = request.match_info["action"]
+    s = entry.session
+    if action == "interrupt":
+        return web.json_response({"type": "cleared", "dropped_s": round(s.clear_buffer(), 3)})
+    if action == "end_of_speech":
+        s.end_of_speech()
+    else:
+        s.keep_alive()
+    return web.Response(status=204)
+
+
+async def session_audio(request: web.Request) -> web.StreamResponse:
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    session = entry.session
+    ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=MAX_PACKET_BYTES)
+    await ws.prepare(request)
+    entry.sockets.add(ws)
+    if entry.playout_start_s is not None:
+        await ws.send_json({"type": "playout", "media_s": entry.playout_start_s})
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.BINARY:
+                try:
+                    ok = session.offer_audio(msg.data)
+                except AvatarStreamError as e:
+                    await ws.send_json({"type": "error", "error": str(e)})
+                    continue
+                if not ok:
+                    await ws.send_json({"type": "slow_down",
+                                        "buffered_s": round(session.buffered_seconds, 3)})
+            elif msg.type == WSMsgType.TEXT:
+                await _control(request, ws, entry, msg.data)
+            elif msg.type == WSMsgType.ERROR:
+                break
+    finally:
+        entry.sockets.discard(ws)
+    return ws
+
+
+async def _control(request: web.Request, ws: web.WebSocketResponse, entry: Entry, text: str) -> None:
+    session = entry.session
+    try:
+        msg = json.loads(text) if len(text) <= MAX_CONTROL_BYTES else None
+        kind = msg.get("type")
+    except (json.JSONDecodeError, AttributeError):
+        msg, kind = None, None
+    if kind == "end_of_speech":
+        session.end_of_speech()
+    elif kind == "clear_buffer":
+        session.clear_buffer()  # every socket of the session gets the `cleared` event
+    elif kind == "keep_alive":
+        session.keep_alive()
+    elif kind == "text":
+        assert msg is not None
+        try:
+            await ws.send_json(await _say(request, entry, msg.get("text"), msg.get("voice")))
+        except AvatarStreamError as e:
+            await ws.send_json({"type": "error", "error": str(e)})
+    else:
+        await ws.send_json({"type": "error", "error": 'control messages are JSON {"type": '
+                            '"end_of_speech" | "clear_buffer" | "keep_alive" | "text"}'})
+
+
+async def session_hls(request: web.Request) -> web.StreamResponse:
+    entry = _entry(request)
+    if isinstance(entry, web.Response):
+        return entry
+    if not entry.hls:
+        return error(404, 'this session has no HLS output (create it with {"hls": true})')
+    name = request.match_info["name"]
+    if not HLS_NAME.match(name):
+        return error(404, "no such file")
+    path = entry.dir / "hls" / name
+    if not path.is_file():
+        return error(404, "not published yet")
+    if name == PLAYLIST:
+        text = path.read_text()
+        token = request.query.get("token")
+        if token:  # players do not carry the query over to segment URIs: add it
+            text = re.sub(r"^(segment_\d{5}\.m4s)$", rf"\1?token={token}", text, flags=re.M)
+            text = text.replace('URI="init.mp4"', f'URI="init.mp4?token={token}"')
+        return web.Response(text=text, content_type="application/vnd.apple.mpegurl")
+    return web.FileResponse(path, headers={"Content-Type": "video/mp4"})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/sessions", post_session)
+    r.add_get("/v1/sessions/{id}", get_session)
+    r.add_delete("/v1/sessions/{id}", delete_session)
+    r.add_post("/v1/sessions/{id}/offer", post_offer)
+    r.add_post("/v1/sessions/{id}/say", post_say)
+    r.add_post("/v1/sessions/{id}/{action:interrupt|end_of_speech|keep_alive}", post_control)
+    r.add_get("/v1/sessions/{id}/audio", session_audio)
+    r.add_get("/v1/sessions/{id}/hls/{name}", session_hls)

@@ -1,0 +1,166 @@
+"""SessionManager: the server's open live sessions on its one model and one ChunkScheduler.
+
+A session entry holds the LiveSession, its owner (key fingerprint) and token, its files (live
+HLS), its WebRTC viewer (one at a time: a new offer replaces the old viewer) and the WebSockets
+that receive its events. Events are produced on the scheduler thread and handed to the event
+loop (`call_soon_threadsafe`) before they reach a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from aiohttp import web
+
+from avatarstream.engine.pipeline import ModelSet
+from avatarstream.serve.hls import FMP4HLSSink
+from avatarstream.serve.prepared import PreparedReference
+from avatarstream.serve.scheduler import ChunkScheduler
+from avatarstream.serve.session import LiveSession
+from avatarstream.serve.sinks import BackgroundSink
+
+if TYPE_CHECKING:
+    from avatarstream.serve.app import ServerConfig
+    from avatarstream.serve.webrtc import Playout, WebRTCPeer
+
+log = logging.getLogger(__name__)
+
+
+class AdmissionError(Exception):
+    """A new session would not be served in real time (HTTP 503, with the reason)."""
+
+
+@dataclass
+class Entry:
+    session: LiveSession
+    owner: str
+    token: str
+    dir: Path
+    hls: bool = False
+    peer: WebRTCPeer | None = None
+    playout: Playout | None = None
+    sockets: set[web.WebSocketResponse] = field(default_factory=set)
+    playout_start_s: float | None = None
+
+    def broadcast(self, event: dict) -> None:
+        """Send an event to every open socket of the session (event loop only)."""
+        for ws in list(self.sockets):
+            if ws.closed:
+                self.sockets.discard(ws)
+                continue
+            asyncio.ensure_future(_send(ws, event))
+
+
+async def _send(ws: web.WebSocketResponse, event: dict) -> None:
+    try:
+        await ws.send_json(event)
+    except (ConnectionError, RuntimeError):  # the socket went away meanwhile
+        pass
+
+
+class SessionManager:
+    def __init__(self, models: ModelSet, config: ServerConfig, scheduler: ChunkScheduler) -> None:
+        self.models, self.config, self.scheduler = models, config, scheduler
+        self.dir = config.data_dir / "sessions"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.entries: dict[str, Entry] = {}
+        self.playout_delay_s = config.playout_delay_s if config.playout_delay_s is not None else 0.5
+        self.refused = 0
+
+    def open(self, owner: str, frames: torch.Tensor, prepared: PreparedReference, *,
+             hls: bool = False) -> tuple[str, Entry]:
+        """Start a session (raises AdmissionError when it cannot be served in real time)."""
+        reason = self.scheduler.admit()
+        if reason is not None:
+            self.refused += 1
+            raise AdmissionError(reason)
+        loop = asyncio.get_running_loop()
+        sid = secrets.token_hex(12)
+        d = self.dir / sid
+        sinks = []
+        if hls:
+            sinks.append(BackgroundSink(FMP4HLSSink(d / "hls",
+                                                    segment_seconds=self.config.hls_segment_seconds)))
+        # Viewers attach their own sinks; nobody reads frames(): keep no in-process frame queue.
+        live = dataclasses.replace(self.config.session, max_out_items=0)
+        holder: list[Entry] = []
+
+        def on_event(event: dict) -> None:
+            if holder:
+                loop.call_soon_threadsafe(holder[0].broadcast, event)
+
+        session = LiveSession(self.models, frames, prepared=prepared, config=live, sinks=sinks,
+                              scheduler=self.scheduler, on_event=on_event)
+        entry = Entry(session, owner, secrets.token_urlsafe(24), d, hls=hls)
+        holder.append(entry)
+        self.entries[sid] = entry
+        session.start()
+        return sid, entry
+
+    async def attach_viewer(self, entry: Entry, sdp: str, kind: str) -> dict:
+        """A WebRTC viewer for the session (replacing any previous one); returns the answer."""
+        from avatarstream.serve.webrtc import Playout, WebRTCPeer
+
+        await self.detach_viewer(entry)
+        s = entry.session
+        assert s.origin is not None
+        playout = Playout(origin=s.origin, fps=s.fps, sample_rate=s.sample_rate,
+                          delay_s=self.playout_delay_s)
+
+        def started(media_s: float) -> None:
+            entry.playout_start_s = media_s
+            entry.broadcast({"type": "playout", "media_s": round(media_s, 4),
+                             "delay_s": round(self.playout_delay_s, 3)})
+
+        playout.on_start.append(started)
+        s.add_sink(playout)
+        peer = WebRTCPeer(playout)
+        entry.peer, entry.playout = peer, playout
+        try:
+            return await peer.answer(sdp, kind)
+        except Exception:
+            await self.detach_viewer(entry)
+            raise
+
+    async def detach_viewer(self, entry: Entry) -> None:
+        peer, playout = entry.peer, entry.playout
+        entry.peer = entry.playout = None
+        entry.playout_start_s = None
+        if playout is not None:
+            entry.session.remove_sink(playout)
+        if peer is not None:
+            await peer.close()
+
+    async def close(self, sid: str) -> None:
+        entry = self.entries.pop(sid, None)
+        if entry is None:
+            return
+        await self.detach_viewer(entry)
+        await asyncio.to_thread(entry.session.stop, 10.0)
+        for ws in list(entry.sockets):
+            await ws.close()
+        shutil.rmtree(entry.dir, ignore_errors=True)
+
+    async def reap(self) -> None:
+        """Clean up sessions that ended on their own (idle timeout, failure), and viewers whose
+        connection failed."""
+        for sid, e in list(self.entries.items()):
+            if not e.session.running:
+                await self.close(sid)
+            elif e.peer is not None and e.peer.closed.is_set():
+                await self.detach_viewer(e)
+
+    async def close_all(self) -> None:
+        for sid in list(self.entries):
+            await self.close(sid)
+
+    def live_count(self) -> int:
+        return sum(1 for e in self.entries.values() if e.session.running)

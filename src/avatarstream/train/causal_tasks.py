@@ -1,0 +1,354 @@
+"""Training the causal student (Live Avatar sec. 4.2, Fig. 2, Algorithms 1–2).
+
+Stage 1, `df` — **diffusion forcing** pre-training from the bidirectional model: a window of
+`chunk` latent frames cut into blocks of `block`, every block noised at its own σ (block-wise
+independent noise; with prob `p_shared_sigma` one σ for all blocks, the regime timestep forcing
+streams in), one pass with the block-causal mask (`models.causal.block_causal_forward`: a block
+sees itself and the previous `history` blocks, and the sink), flow-matching loss on every frame.
+The sink is the reference placed as the engine places it (Rolling RoPE: `ref_t_position` before
+the first frame of the block's attention window).
+
+Stage 2, `dmd` — **Self-Forcing distribution matching distillation** into a `steps`-step
+generator, with three networks: the generator (`dit`, the causal student, trained), the real score
+(`teacher`, the bidirectional model, frozen) and the fake score (`fake`, bidirectional, trained on
+the generator's own samples). Per iteration (Algorithm 2):
+1. `self_forcing_rollout`: the generator produces `chunk // block` blocks autoregressively, each
+   from noise through steps 0..s (s drawn once per iteration), exactly as the engine streams:
+   the same Euler transitions, one rolling KV cache per step (timestep forcing), the sink
+   (reference; with `adaptive_sink`, the first block's estimate after it) placed by Rolling RoPE.
+   **History Corrupt**: every block's K/V is perturbed by Gaussian noise (std `history_corrupt`
+   × the tensor's RMS) before it enters the caches, and no clean re-run refreshes them: later
+   blocks always read noisy history. No gradients here.
+2. `dmd_gradient`: x̂0 of all blocks -> x_t at a random σ; real and fake scores give x0_real,
+   x0_fake; the DMD gradient w.r.t. the sample is (x0_fake − x0_real) / mean|x̂0 − x0_real|.
+3. **Block-wise gradient accumulation** (`blockwise_backward`): for each block from the last to
+   the first, re-run the generator at step s on its stored input with the stored (detached) history
+   and backpropagate that block's share of the DMD gradient; only one block's graph is alive at a
+   time. Since the history is detached (Algorithm 1 detaches it too), the accumulated gradient is
+   the full-graph gradient (`blockwise_grad = false` runs Algorithm 1's single graph; a test
+   checks the two agree).
+The fake score's flow-matching loss on the (detached) samples is the loss handed back to the
+trainer; the generator's gradient is already accumulated when it is (both update every step with
+the recipe's learning rate; DMD2's two-timescale schedule is not implemented).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from avatarstream.cache.kv import BlockKV, RollingKVCache
+from avatarstream.cache.reference import ReferenceCache
+from avatarstream.cache.sink import SinkCache
+from avatarstream.errors import ConfigError
+from avatarstream.models.causal import block_causal_forward, causal_block_forward
+from avatarstream.models.dit import DiTCondition, DiTConfig, VideoRefDiT
+from avatarstream.samplers import flow_sigmas
+from avatarstream.train.data import motion_descriptor
+from avatarstream.train.tasks import _LatentTask, _pick, _rand, init_net
+
+
+def history_corrupt(kv: BlockKV, scale: float, g: torch.Generator) -> BlockKV:
+    """History Corrupt: K/V of a block, each tensor plus N(0, (scale · RMS)²) noise drawn from g."""
+    if scale <= 0:
+        return kv
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        rms = x.float().square().mean().sqrt()
+        eps = torch.randn(x.shape, generator=g).to(x.device)
+        return (x.float() + scale * rms * eps).to(x.dtype)
+
+    return BlockKV([noisy(x) for x in kv.k], [noisy(x) for x in kv.v])
+
+
+def sink_positions(blocks: int, block: int, history: int, ref_t: float, rolling: bool) -> list[float]:
+    """Temporal RoPE position of the sink for each block (Rolling RoPE: `ref_t` before the first
+    frame of the block's attention window; without it: `ref_t`)."""
+    return [(max(0, a - history) * block if rolling else 0) + ref_t for a in range(blocks)]
+
+
+class _CausalTask(_LatentTask):
+    """Shared by df and dmd: windows of whole blocks and their conditions."""
+
+    def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
+        super().__init__(recipe, device)
+        c = self.cfg
+        if c["block"] < 1 or self.T % c["block"]:
+            raise ConfigError(f"{self.stage}: chunk ({self.T}) must be a whole number of blocks of {c['block']}")
+        if c["history"] < 0:
+            raise ConfigError(f"{self.stage}: history must be >= 0")
+        self.blocks = self.T // c["block"]
+
+    def uses(self) -> tuple[str, ...]:
+        return ("dit", "audio", "text")
+
+    def conditions(self, g: torch.Generator) -> dict[str, Any]:
+        """Windows, latents `x0 [B,C,T,h,w]`, motion `m0 [B,T,Dm]`, audio / text tokens, reference
+        latents `[B,C,R,h,w]` and validity `[B,R]` (cross-scene with p_cross_scene)."""
+        c, B, T = self.cfg, self.recipe["train"]["batch"], self.T
+        clips, starts, x0, m0, refs, valids = [], [], [], [], [], []
+        for _ in range(B):
+            i, p0 = self.window(g)
+            clips.append(i)
+            starts.append(p0)
+            x0.append(self.data.latents(i, p0, T))
+            m0.append(motion_descriptor(self.data.table(i), torch.arange(p0, p0 + T), self.motion_dim))
+            lat, valid, _, _ = self.reference(g, i, hr=False, p_cross=c["p_cross_scene"])
+            refs.append(lat)
+            valids.append(valid)
+        b: dict[str, Any] = {"clips": clips, "starts": starts}
+        b["x0"] = torch.stack(x0).to(self.device)
+        b["m0"] = torch.stack(m0).to(self.device)
+        with torch.no_grad():
+            b["audio"] = self.audio_tokens(self.nets["audio"], clips, starts, torch.zeros(B, dtype=torch.bool))
+            b["text"], b["text_mask"] = self.text_tokens(self.nets["text"], g, clips)
+        b["ref_lat"] = torch.stack(refs).to(self.device)
+        b["ref_valid"] = torch.stack(valids).to(self.device)
+        return b
+
+    def sink_index(self) -> tuple[list[float], list[int]]:
+        """Distinct sink positions and, per block, which one it uses."""
+        c = self.cfg
+        pos = sink_positions(self.blocks, c["block"], c["history"], c["ref_t_position"], c["rolling_rope"])
+        distinct = sorted(set(pos), key=pos.index)
+        return distinct, [distinct.index(p) for p in pos]
+
+
+class DiffusionForcingTask(_CausalTask):
+    """Stage 1: block-wise independent noise, block-causal mask (see the module docstring).
+    Loss = mouth/eye-weighted MSE(v̂, ε − x0) + motion · MSE(motion velocity)."""
+
+    stage = "df"
+    trainable = ("dit",)
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        c, B, T, blk = self.cfg, self.recipe["train"]["batch"], self.T, self.cfg["block"]
+        b = self.conditions(g)
+        u = torch.randn(B, self.blocks, generator=g) * c["logit_std"] + c["logit_mean"]
+        shared = torch.rand(B, generator=g) < c["p_shared_sigma"]
+        u = torch.where(shared[:, None], u[:, :1].expand_as(u), u)
+        sig = torch.sigmoid(u).repeat_interleave(blk, dim=1).to(self.device)  # [B, T] per block
+        eps = self.randn(g, *b["x0"].shape)
+        eps_m = self.randn(g, *b["m0"].shape)
+        s5 = sig[:, None, :, None, None]
+        xs = (1 - s5) * b["x0"] + s5 * eps
+        ms = (1 - sig[..., None]) * b["m0"] + sig[..., None] * eps_m
+        cond = DiTCondition(motion=ms, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device))
+        pos, index = self.sink_index()
+        sinks = [(b["ref_lat"], b["ref_valid"], p) for p in pos]
+        out = block_causal_forward(self.nets["dit"], xs, sig, cond, sinks, index, block=blk,
+                                   history=c["history"])
+        w = self.latent_weight(b["clips"], b["starts"], b["x0"].shape[-1])  # [B, 1, T, h, w]
+        loss_v = ((out.velocity.float() - (eps - b["x0"])).square() * w).mean()
+        loss_m = (out.motion_velocity.float() - (eps_m - b["m0"])).square().mean()
+        total = loss_v + c["motion"] * loss_m
+        return total, {"loss": float(total.detach()), "flow": float(loss_v.detach()),
+                       "motion": float(loss_m.detach()), "sigma": float(sig.mean())}
+
+
+class SelfForcingDMDTask(_CausalTask):
+    """Stage 2: Self-Forcing DMD with History Corrupt and block-wise gradient accumulation (see
+    the module docstring). `dmd.teacher`: the bidirectional model (run folder, weights folder or
+    .safetensors) the real and fake scores start from; empty: a fresh init (tests)."""
+
+    stage = "dmd"
+    trainable = ("dit", "fake")
+
+    def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
+        super().__init__(recipe, device)
+        c = self.cfg
+        if c["steps"] < 1 or not 0 <= c["sigma_min"] < c["sigma_max"] <= 1:
+            raise ConfigError("dmd: steps >= 1 and 0 <= sigma_min < sigma_max <= 1 are required")
+        cfg = getattr(DiTConfig, recipe["model"])()
+        self.nets["teacher"] = VideoRefDiT(cfg)
+        self.nets["fake"] = VideoRefDiT(cfg)
+        init_net("dit", self.nets["teacher"], recipe["train"]["seed"] * 101 + 77)
+        self.sigmas = flow_sigmas(c["steps"], c["shift"])
+
+    def after_init(self) -> None:
+        if self.cfg["teacher"]:
+            from avatarstream.train.trainer import net_weights
+
+            self.nets["teacher"].load_state_dict(net_weights(self.cfg["teacher"], "dit"))
+        self.nets["fake"].load_state_dict(self.nets["teacher"].state_dict())
+
+    # -- generator ---------------------------------------------------------------------------------
+    def _sink(self, gen: VideoRefDiT, b: dict[str, Any], first: torch.Tensor | None) -> SinkCache:
+        """Sink of the generator: the reference, or (AAS) the first block's first frame `first`."""
+        c = self.cfg
+        t = float(c["ref_t_position"])
+        if first is None:
+            ref = gen.encode_reference(b["ref_lat"], b["ref_valid"], torch.full((b["ref_lat"].shape[2],), t))
+        else:
+            ref = gen.encode_reference(first, None, torch.full((1,), t))
+        cfg = gen.config
+        return SinkCache(ref, t, head_dim=cfg.dim // cfg.heads, theta=cfg.rope_theta)
+
+    def _block_cond(self, b: dict[str, Any], i: int, m: torch.Tensor) -> DiTCondition:
+        blk = self.cfg["block"]
+        sl = slice(i * blk, (i + 1) * blk)
+        return DiTCondition(motion=m, audio=b["audio"][:, sl], text=b["text"], text_mask=b["text_mask"],
+                            t_pos=torch.arange(sl.start, sl.stop, dtype=torch.float32))
+
+    def _placed(self, sink: SinkCache, i: int) -> ReferenceCache:
+        c = self.cfg
+        return sink.at(sink_positions(self.blocks, c["block"], c["history"], c["ref_t_position"],
+                                      c["rolling_rope"])[i])
+
+    def _gen_step(self, gen: VideoRefDiT, x: torch.Tensor, m: torch.Tensor, sigma: float, cond: DiTCondition,
+                  sink: ReferenceCache, history: RollingKVCache | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, BlockKV]:
+        """(x0 estimate, motion x0 estimate, the block's K/V) of the generator at `sigma`."""
+        b, _, tb = x.shape[:3]
+        out, kv = causal_block_forward(gen, x, torch.full((b, tb), sigma, device=x.device), cond, sink, history)
+        return x - sigma * out.velocity.float(), m - sigma * out.motion_velocity.float(), kv
+
+    def self_forcing_rollout(self, b: dict[str, Any], s: int, g: torch.Generator, *,
+                             grad: bool = False,
+                             noise: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
+        """Algorithm 2, lines 6–22 (Algorithm 1 with `grad`: the exit step keeps its graph).
+
+        Returns x̂0 `[B,C,T,h,w]`, m̂0 `[B,T,Dm]` (exit-step estimates of every block), and per
+        block its exit-step input, its history at step s (corrupted K/V, detached) and its sink
+        source (None: the reference; else the AAS frame). `noise` (tests): each block's initial
+        latents and motion instead of draws from g."""
+        c, blk = self.cfg, self.cfg["block"]
+        gen: VideoRefDiT = self.nets["dit"]
+        B, C, T, h, w = b["x0"].shape
+        sig = [float(v) for v in self.sigmas]
+        caches = {j: RollingKVCache(gen.config.depth, c["history"]) for j in range(s + 1)}
+        exit_kv: list[BlockKV] = []
+        out: dict[str, Any] = {"x_in": [], "m_in": [], "hist": [], "first": [], "x0": [], "m0": []}
+        track = torch.enable_grad() if grad else torch.no_grad()  # the sink is part of G_theta
+        with track:
+            sink = self._sink(gen, b, None)
+        first = None
+        for i in range(self.blocks):
+            if noise is None:
+                x, m = self.randn(g, B, C, blk, h, w), self.randn(g, B, blk, self.motion_dim)
+            else:
+                x, m = noise[i]
+            placed = self._placed(sink, i)
+            for j in range(s + 1):
+                cond = self._block_cond(b, i, m)
+                if j == s:
+                    out["x_in"].append(x)
+                    out["m_in"].append(m)
+                    out["hist"].append(exit_kv[max(0, i - c["history"]):i] if c["history"] else [])
+                    out["first"].append(first)
+                    with torch.enable_grad() if grad else torch.no_grad():
+                        x0, m0, kv = self._gen_step(gen, x, m, sig[j], cond, placed, caches[j])
+                    out["x0"].append(x0)
+                    out["m0"].append(m0)
+                else:
+                    with torch.no_grad():
+                        x0, m0, kv = self._gen_step(gen, x, m, sig[j], cond, placed, caches[j])
+                        v, mv = (x - x0) / sig[j], (m - m0) / sig[j]
+                        x, m = x + (sig[j + 1] - sig[j]) * v, m + (sig[j + 1] - sig[j]) * mv  # Euler
+                kv = history_corrupt(kv.detach(), c["history_corrupt"], g)
+                caches[j].append(kv, i * blk)
+                if j == s:
+                    exit_kv.append(kv)
+            if i == 0 and c["adaptive_sink"]:
+                first = out["x0"][0][:, :, :1].detach()
+                with torch.enable_grad() if grad else torch.no_grad():
+                    sink = self._sink(gen, b, first)
+        out["x0_all"] = torch.cat(out["x0"], dim=2)
+        out["m0_all"] = torch.cat(out["m0"], dim=1)
+        return out
+
+    # -- DMD ---------------------------------------------------------------------------------------
+    def _score(self, net: VideoRefDiT, b: dict[str, Any], xt: torch.Tensor, mt: torch.Tensor,
+               sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x0 and motion-x0 predictions of a bidirectional score on the whole window."""
+        T = self.T
+        ref = net.encode_reference(b["ref_lat"], b["ref_valid"],
+                                   torch.full((b["ref_lat"].shape[2],), float(self.cfg["ref_t_position"])))
+        cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device))
+        s = sigma[:, None].expand(-1, T)
+        out = net(xt, s, cond, ref)
+        s5 = sigma[:, None, None, None, None]
+        return xt - s5 * out.velocity.float(), mt - sigma[:, None, None] * out.motion_velocity.float()
+
+    def dmd_gradient(self, b: dict[str, Any], x0: torch.Tensor, m0: torch.Tensor, g: torch.Generator
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """d(DMD loss)/d(sample) for latents `[B,C,T,h,w]` and motion `[B,T,Dm]` (no graph)."""
+        c = self.cfg
+        B = x0.shape[0]
+        sigma = (c["sigma_min"] + (c["sigma_max"] - c["sigma_min"]) * torch.rand(B, generator=g)).to(self.device)
+        eps, eps_m = self.randn(g, *x0.shape), self.randn(g, *m0.shape)
+        s5 = sigma[:, None, None, None, None]
+        xt = (1 - s5) * x0 + s5 * eps
+        mt = (1 - sigma[:, None, None]) * m0 + sigma[:, None, None] * eps_m
+        with torch.no_grad():
+            xr, mr = self._score(self.nets["teacher"], b, xt, mt, sigma)
+            xf, mf = self._score(self.nets["fake"], b, xt, mt, sigma)
+        wx = (x0 - xr).abs().mean(dim=(1, 2, 3, 4), keepdim=True).clamp_min(1e-6)
+        wm = (m0 - mr).abs().mean(dim=(1, 2), keepdim=True).clamp_min(1e-6)
+        gx = (xf - xr) / wx / x0[0].numel() / B
+        gm = c["motion"] * (mf - mr) / wm / m0[0].numel() / B
+        gap = float((xf - xr).square().mean())
+        return gx, gm, {"dmd": float(0.5 * ((xf - xr) / wx).square().mean()), "score_gap": gap,
+                        "dmd_sigma": float(sigma.mean())}
+
+    def blockwise_backward(self, b: dict[str, Any], roll: dict[str, Any], s: int, gx: torch.Tensor,
+                           gm: torch.Tensor) -> None:
+        """Algorithm 2, lines 23–38: per block, last to first, re-run the exit step with grad on
+        the stored input and history, backpropagate its share of the DMD gradient."""
+        c, blk = self.cfg, self.cfg["block"]
+        gen: VideoRefDiT = self.nets["dit"]
+        sig = float(self.sigmas[s])
+        for i in reversed(range(self.blocks)):
+            cache = RollingKVCache(gen.config.depth, c["history"])
+            for k, kv in enumerate(roll["hist"][i]):
+                cache.append(kv, (i - len(roll["hist"][i]) + k) * blk)
+            with torch.enable_grad():
+                sink = self._placed(self._sink(gen, b, roll["first"][i]), i)
+                x0, m0, _ = self._gen_step(gen, roll["x_in"][i], roll["m_in"][i], sig,
+                                           self._block_cond(b, i, roll["m_in"][i]), sink, cache)
+                sl = slice(i * blk, (i + 1) * blk)
+                part = (x0 * gx[:, :, sl]).sum() + (m0 * gm[:, sl]).sum()
+            part.backward()
+            roll["hist"][i] = None  # free the block's history (Alg. 2 line 37)
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        c = self.cfg
+        b = self.conditions(g)
+        s = _pick(g, c["steps"])  # exit step, shared by every block of this iteration
+        if c["blockwise_grad"]:
+            roll = self.self_forcing_rollout(b, s, g)
+            gx, gm, logs = self.dmd_gradient(b, roll["x0_all"], roll["m0_all"], g)
+            self.blockwise_backward(b, roll, s, gx, gm)
+        else:  # Algorithm 1: one graph through every block's exit step
+            roll = self.self_forcing_rollout(b, s, g, grad=True)
+            gx, gm, logs = self.dmd_gradient(b, roll["x0_all"].detach(), roll["m0_all"].detach(), g)
+            ((roll["x0_all"] * gx).sum() + (roll["m0_all"] * gm).sum()).backward()
+        # fake score: flow matching on the generator's (detached) samples
+        x0, m0 = roll["x0_all"].detach(), roll["m0_all"].detach()
+        B = x0.shape[0]
+        u = torch.randn(B, generator=g) * c["logit_std"] + c["logit_mean"]
+        sigma = torch.sigmoid(u).to(self.device)
+        eps, eps_m = self.randn(g, *x0.shape), self.randn(g, *m0.shape)
+        s5 = sigma[:, None, None, None, None]
+        xt = (1 - s5) * x0 + s5 * eps
+        mt = (1 - sigma[:, None, None]) * m0 + sigma[:, None, None] * eps_m
+        fake: VideoRefDiT = self.nets["fake"]
+        ref = fake.encode_reference(b["ref_lat"], b["ref_valid"],
+                                    torch.full((b["ref_lat"].shape[2],), float(c["ref_t_position"])))
+        cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
+                            t_pos=torch.arange(self.T, dtype=torch.float32, device=self.device))
+        out = fake(xt, sigma[:, None].expand(-1, self.T), cond, ref)
+        loss_f = (out.velocity.float() - (eps - x0)).square().mean()
+        loss_fm = (out.motion_velocity.float() - (eps_m - m0)).square().mean()
+        fake_loss = loss_f + c["motion"] * loss_fm
+        logs.update(loss=float(fake_loss.detach()), fake=float(loss_f.detach()), exit_step=s,
+                    sample_rms=float(x0.square().mean().sqrt()))
+        return fake_loss, logs
+
+
+CAUSAL_TASKS = {"df": DiffusionForcingTask, "dmd": SelfForcingDMDTask}
+
+__all__ = ["CAUSAL_TASKS", "DiffusionForcingTask", "SelfForcingDMDTask", "history_corrupt", "sink_positions"]

@@ -1,0 +1,77 @@
+"""The long-horizon and pipeline benchmarks: their windows, colour measure, streaming scorer and
+JSON (the numbers themselves are meaningless with random weights; the machinery is not)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from avatarstream.bench.drift import WindowSink, drift_windows, looped, looped_slice, srgb_to_lab
+from avatarstream.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_drift_windows_follow_table_7():
+    assert drift_windows(10) == [(0.0, 10.0)]
+    assert drift_windows(25) == [(0.0, 10.0), (15.0, 25.0)]
+    assert drift_windows(1000) == [(0.0, 10.0), (100.0, 110.0), (990.0, 1000.0)]
+    assert drift_windows(10010) == [(0.0, 10.0), (100.0, 110.0), (1000.0, 1010.0), (10000.0, 10010.0)]
+    with pytest.raises(ConfigError):
+        drift_windows(9)
+
+
+def test_srgb_to_lab_reference_values():
+    lab = srgb_to_lab(torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.5, 0.5, 0.5]]))
+    want = torch.tensor([[100.0, 0.0, 0.0], [53.24, 80.09, 67.20], [53.39, 0.0, 0.0]])
+    assert float((lab - want).abs().max()) < 0.1
+
+
+def test_looped_speech_streams_in_pieces():
+    speech = np.arange(10, dtype=np.float32)
+    got = np.concatenate([p.numpy() for p in looped(speech, 25, piece=4)])
+    assert np.array_equal(got, np.arange(25) % 10)
+    assert np.array_equal(looped_slice(speech, 18, 23), np.array([8, 9, 0, 1, 2]))
+
+
+def test_window_sink_keeps_only_window_frames():
+    sink = WindowSink([(0.0, 0.4), (1.0, 1.4)], None, np.zeros((1, 8, 8, 3), np.uint8), None, fps=25)
+    for start in range(0, 60, 7):  # chunks of 7 frames whose pixels say their frame index
+        n = min(7, 60 - start)
+        frames = np.arange(start, start + n, dtype=np.uint8)[:, None, None, None] * np.ones((1, 8, 8, 3), np.uint8)
+        sink.write_video(SimpleNamespace(start_frame=start, frames=frames))
+    assert [(lo, hi) for lo, hi, *_ in sink.done] == [(0, 10), (25, 35)]
+    assert sink.done[0][2][:, 0, 0, 0].tolist() == list(range(10))
+    assert sink.done[1][2][:, 0, 0, 0].tolist() == list(range(25, 35))
+    assert sink.done[1][3] == [3]  # the chunk starting at frame 28 (35 is past the window)
+    assert not sink._frames and sink.durable_frames == 60
+
+
+def test_bench_drift_json(capsys):
+    """`bench drift --seconds 10`: the rollout in its own process, windows with the issue's keys,
+    the ablation rows (History Corrupt unavailable without a model trained without it)."""
+    from avatarstream.cli import main
+
+    assert main(["bench", "drift", "--seconds", "10", "--speech-seconds", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [list(w) for w in r["windows"]] == [["start_s", "end_s", "face_sim", "sync_c", "color_shift"]]
+    assert r["windows"][0]["color_shift"] == 0.0 and r["peak_rss_mb"] > 0
+    assert set(r["ablations"]) == {"no_adaptive_sink", "no_rolling_rope", "no_history_corrupt"}
+    assert r["ablations"]["no_history_corrupt"]["windows"] is None
+    assert r["ablations"]["no_adaptive_sink"]["windows"][0]["face_sim"] != r["windows"][0]["face_sim"]
+
+
+def test_bench_tpp_json(capsys):
+    from avatarstream.cli import main
+
+    assert main(["bench", "tpp", "--workers", "2", "--model", "tiny-random", "--seconds", "1",
+                 "--cores", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"fps_pipeline", "fps_sequential", "speedup"} <= r.keys()
+    assert r["fps_pipeline"] > 0 and r["fps_sequential"] > 0 and r["cores"] == 1
+    assert r["speedup"] == pytest.approx(r["fps_pipeline"] / r["fps_sequential"], rel=0.01)
+    assert main(["bench", "tpp", "--workers", "9", "--model", "tiny-random"]) == 2
