@@ -13,7 +13,7 @@ attend to R*P + T*P keys (linear in R), so its exponent is <= 1 (below 1 while t
 still weighs); the dense sequence has (R+T)*P tokens attending to each other, so its exponent
 climbs towards 2 as R grows. The fit over all R is reported too (`*_exponent_all`).
 
-Model: `DiTConfig.small()` widths (dim 320, 5 heads, FFN 1024, latent 16x16, chunk 8) with
+Model: `DiTConfig.small()` widths (dim 192, 3 heads, FFN 768, latent 16x16, chunk 8) with
 --depth layers (default 2) so the sweep runs in about a minute on 2 cores; random weights.
 """
 
@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from avatarstream.hardware import bf16_is_fast
+
 HELP = "DiT per-step time vs reference length: sparse (cached) vs dense attention exponents"
 
 
@@ -37,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=8, help="latent frames per chunk")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--fit-min", type=int, default=8, help="smallest R in the fit")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="auto: bf16 where this CPU runs it fast (AVX512-bf16/AMX), else fp32")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (0: torch default). Default 1: on a shared machine a "
                              "parallel region stalls whenever another process holds a core")
@@ -94,7 +97,9 @@ def run(args: argparse.Namespace) -> dict:
         latent, chunk = 16, int(getattr(args, "chunk", 8))
         max_ref, repeats = int(getattr(args, "max_ref", 64)), int(getattr(args, "repeats", 5))
         fit_min = int(getattr(args, "fit_min", 8))
-    dtype = getattr(args, "dtype", "bf16")
+    dtype = getattr(args, "dtype", "auto")
+    if dtype == "auto":
+        dtype = "bf16" if bf16_is_fast("cpu") else "fp32"
     torch.manual_seed(0)
     dit = VideoRefDiT(cfg).eval()
     dit.init_random_(0)

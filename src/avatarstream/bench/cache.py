@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from avatarstream.hardware import bf16_is_fast
+
 HELP = "one 4-step chunk with a 16-frame reference: cached reference K/V vs recomputed each step"
 
 
@@ -28,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--ref-frames", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="auto: bf16 where this CPU runs it fast (AVX512-bf16/AMX), else fp32")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (0: torch default). Default 1: on a shared machine a "
                              "parallel region stalls whenever another process holds a core")
@@ -49,7 +52,9 @@ def run(args: argparse.Namespace) -> dict:
         cfg, latent = DiTConfig.small(), 16
         chunk, nref = int(getattr(args, "chunk", 8)), int(getattr(args, "ref_frames", 16))
         repeats = int(getattr(args, "repeats", 5))
-    dtype = getattr(args, "dtype", "bf16")
+    dtype = getattr(args, "dtype", "auto")
+    if dtype == "auto":
+        dtype = "bf16" if bf16_is_fast("cpu") else "fp32"
     torch.manual_seed(0)
     dit = VideoRefDiT(cfg).eval()
     dit.init_random_(0)

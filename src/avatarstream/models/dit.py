@@ -71,15 +71,20 @@ class DiTConfig:
     def small(cls) -> "DiTConfig":
         """Bundled size: latent 16x16 from 128 px, chunk 8 latent frames, reference <= 16 frames.
 
-        8 layers x width 320 (5 heads of 64), FFN 1024: 16.6M parameters (the whole bundled
-        model, 22.9M, is 46 MB in bf16 under the 50 MB budget). 65 tokens per latent frame (8x8
-        patches + 1 motion token). One forward (`dit(x, sigma, cond, ref)`) at chunk 8 with a
-        16-frame cached reference (520 generation tokens attending to 1040 + 520 keys, 8 text
-        tokens, 6 audio tokens per frame) costs 12.50 GFLOP (torch.utils.flop_counter
-        .FlopCounterMode: matmuls, convolutions and attention); `encode_reference` of 16 frames
-        (1040 tokens, frame-local attention) costs 16.20 GFLOP, once per request.
+        6 layers x width 192 (3 heads of 64), FFN 768: 5.0M parameters. 65 tokens per latent
+        frame (8x8 patches + 1 motion token). One forward (`dit(x, sigma, cond, ref)`) at chunk 8
+        with a 16-frame cached reference (520 generation tokens attending to 1040 + 520 keys,
+        8 text tokens, 6 audio tokens per frame) costs 3.76 GFLOP
+        (torch.utils.flop_counter.FlopCounterMode: matmuls, convolutions and attention);
+        `encode_reference` of 16 frames costs 4.86 GFLOP, once per request. The whole bundled
+        model (five networks) is 11.4M parameters, 23 MB in bf16.
+
+        Sized for CPUs without fast bf16 (AVX2 only: ~60 GFLOP/s fp32 per core): the earlier
+        8 x 320 preset (16.6M, 12.5 GFLOP a forward) ran the 256 px chunk loop at 0.23-0.34x
+        real time on such a 2-core CPU and trained at 7 s a step (batch 4, one core); this one
+        trains at ~2.2 s a step.
         """
-        return cls(in_channels=16, dim=320, depth=8, heads=5, ffn_dim=1024, audio_dim=128,
+        return cls(in_channels=16, dim=192, depth=6, heads=3, ffn_dim=768, audio_dim=128,
                    audio_tokens=6, text_dim=128, motion_dim=16)
 
     @property

@@ -32,8 +32,8 @@ MODELS = ("tiny", "small")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"steps": 1000, "batch": 4, "seed": 0, "lr": 1e-3, "warmup": 50, "min_lr_ratio": 0.1,
-              "weight_decay": 0.01, "betas": [0.9, 0.95], "muon_momentum": 0.95, "muon_bf16": True, "grad_clip": 1.0,
-              "ema": 0.999, "bf16": True, "checkpoint_every": 500, "checkpoint_minutes": 20.0,
+              "weight_decay": 0.01, "betas": [0.9, 0.95], "muon_momentum": 0.95, "muon_bf16": "auto", "grad_clip": 1.0,
+              "ema": 0.999, "bf16": "auto", "checkpoint_every": 500, "checkpoint_minutes": 20.0,
               "keep": 2, "plot_every": 100, "threads": 0},
     "data": {"shards": "", "prepared": "", "max_clips": 0},
     "init": {"dit": "", "refiner": "", "vae": "", "audio": "", "text": ""},
@@ -137,6 +137,9 @@ def resolve(raw: dict[str, Any], *, base: Path | None = None, name: str = "recip
                     raise ConfigError(f"recipe {rname}: {sec}.{k} must be an integer")
                 merged[k] = type(d)(v) if not (isinstance(d, int) and isinstance(v, float)) else int(v)
         out[sec] = merged
+    for k in ("bf16", "muon_bf16"):  # true, false or "auto" (bf16 only where it is fast: hardware.py)
+        if out["train"][k] not in (True, False, "auto"):
+            raise ConfigError(f"recipe {rname}: train.{k} must be true, false or \"auto\"")
     for k in ("shards", "prepared"):
         if out["data"][k]:
             out["data"][k] = str(Path(out["data"][k]).expanduser())

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from avatarstream.errors import ConfigError, InputError
+from avatarstream.hardware import resolve_bf16
 from avatarstream.train.optim import MuonAdamW, lr_at
 from avatarstream.train.recipe import fingerprint
 from avatarstream.train.tasks import Task, make_task
@@ -151,7 +152,8 @@ class Trainer:
         self.named = [(f"{n}.{k}", p) for n in self.task.trainable
                       for k, p in self.task.nets[n].named_parameters()]
         self.opt = MuonAdamW(self.named, weight_decay=self.tr["weight_decay"], betas=tuple(self.tr["betas"]),
-                             momentum=self.tr["muon_momentum"], ns_bf16=self.tr["muon_bf16"])
+                             momentum=self.tr["muon_momentum"], ns_bf16=resolve_bf16(self.tr["muon_bf16"], self.device))
+        self.bf16 = resolve_bf16(self.tr["bf16"], self.device)
         self.ema = {k: p.detach().float().clone() for k, p in self.named}
         self.step = 0
         self.elapsed = 0.0
@@ -207,7 +209,7 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if not self.tr["bf16"]:
+        if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
@@ -299,7 +301,7 @@ class Trainer:
         first = [r["loss"] for r in rows[: max(1, min(10, len(rows) // 5))]]
         lastl = [r["loss"] for r in rows[-max(1, min(10, len(rows) // 5)):]]
         summary = {"run_dir": str(rd), "recipe": self.recipe["name"], "stage": self.recipe["stage"],
-                   "model": self.recipe["model"], "device": str(self.device), "bf16": self.tr["bf16"],
+                   "model": self.recipe["model"], "device": str(self.device), "bf16": self.bf16,
                    "resumed": resumed, "start_step": start, "step": self.step, "steps": total,
                    "loss_first": round(sum(first) / max(1, len(first)), 5) if rows else None,
                    "loss_last": round(sum(lastl) / max(1, len(lastl)), 5) if rows else None,

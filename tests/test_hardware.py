@@ -1,0 +1,62 @@
+"""bf16 only where it is fast (hardware.py): CPUs without AVX512-bf16/AMX emulate it 50-100x
+slower than fp32, so every bf16 default asks first."""
+
+import pytest
+import torch
+
+from avatarstream import hardware
+from avatarstream.errors import ConfigError
+from avatarstream.train.recipe import load_recipe
+
+
+@pytest.fixture
+def flags(monkeypatch):
+    def set_flags(*names: str) -> None:
+        monkeypatch.delenv("AVATARSTREAM_BF16", raising=False)
+        monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset(names))
+    return set_flags
+
+
+def test_cpu_bf16_follows_the_flags(flags):
+    flags("avx2", "fma")
+    assert not hardware.bf16_is_fast("cpu")
+    flags("avx2", "avx512f", "avx512_bf16")
+    assert hardware.bf16_is_fast("cpu")
+    flags("amx_bf16")
+    assert hardware.bf16_is_fast("cpu")
+
+
+def test_env_forces_the_answer(flags, monkeypatch):
+    flags("avx2")
+    monkeypatch.setenv("AVATARSTREAM_BF16", "1")
+    assert hardware.bf16_is_fast("cpu")
+    flags("avx512_bf16")
+    monkeypatch.setenv("AVATARSTREAM_BF16", "0")
+    assert not hardware.bf16_is_fast("cpu")
+
+
+def test_resolve_setting(flags):
+    flags("avx2")
+    assert hardware.resolve_bf16("auto") is False
+    assert hardware.resolve_bf16(None) is False
+    assert hardware.resolve_bf16(True) is True
+    flags("avx512_bf16")
+    assert hardware.resolve_bf16("auto") is True
+    assert hardware.resolve_bf16(False) is False
+
+
+def test_load_model_autocasts_only_where_fast(flags):
+    from avatarstream.registry import load_model
+
+    flags("avx2")
+    assert load_model("small-random").dit.autocast_dtype is None
+    flags("avx512_bf16")
+    assert load_model("small-random").dit.autocast_dtype == torch.bfloat16
+    assert load_model("tiny-random").dit.autocast_dtype is None
+
+
+def test_recipe_bf16_values():
+    assert load_recipe("vae-tiny", [])["train"]["bf16"] == "auto"
+    assert load_recipe("vae-tiny", ["train.bf16=false"])["train"]["bf16"] is False
+    with pytest.raises(ConfigError, match="train.bf16"):
+        load_recipe("vae-tiny", ['train.bf16="maybe"'])
