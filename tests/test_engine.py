@@ -286,3 +286,38 @@ def test_threads_do_not_leak():
     before = threading.active_count()
     Pipeline(mock_models()).run(reference(), audio_chunks(1.0), [ListSink()])
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("strategy", ["prefix", "interp", "causal"])
+def test_overlapped_decode_is_bit_identical(strategy, one_thread):
+    """Decode on its own thread (`decode_overlap`, the default) vs inline: the same frames, bit for
+    bit (tolerance 0: the same ops on the same data in the same order), the same frame count."""
+    import dataclasses
+
+    from avatarstream.registry import load_model
+
+    models = load_model("tiny-random")
+    ref = reference()
+    got = {}
+    for overlap in (False, True):
+        cfg = dataclasses.replace(models.config, strategy=strategy, decode_overlap=overlap)
+        sink = ListSink()
+        summary = Pipeline(models, cfg).run(ref, audio_chunks(3.3), [sink])
+        got[overlap] = (summary.frames, [c.start_frame for c in sink.video],
+                        np.concatenate([c.frames for c in sink.video]))
+    assert got[True][0] == got[False][0] == got[True][2].shape[0]
+    assert got[True][1] == got[False][1]
+    assert np.array_equal(got[True][2], got[False][2])
+
+
+def test_overlapped_decode_error_reaches_the_caller():
+    models = mock_models()
+
+    def broken(z, cache):  # noqa: ANN001
+        raise RuntimeError("decoder exploded")
+
+    models.vae.model.decode_step = broken
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="decoder exploded"):
+        Pipeline(models).run(reference(), audio_chunks(3.0), [ListSink()])
+    assert threading.active_count() == before

@@ -70,7 +70,8 @@ class ConvCache:
 
     def nbytes(self) -> int:
         """Bytes held by the cached frames (bounded: constant once every layer has seen a chunk)."""
-        return sum(t.numel() * t.element_size() for t in self.frames.values())
+        # list(): a snapshot, taken under the GIL, so a decode thread may add layers meanwhile
+        return sum(t.numel() * t.element_size() for t in list(self.frames.values()))
 
     def __len__(self) -> int:
         return len(self.frames)
