@@ -364,3 +364,35 @@ def test_render_job_writes_a_file_with_progress(tmp_path):
             assert r.status == status and "error" in await r.json(), (ctype, status, await r.text())
 
     _run(app, body)
+
+
+def test_live_hls_is_a_bounded_sliding_window(tmp_path):
+    """An open-ended session's HLS keeps the last LIVE_SEGMENTS segments (playlist and disk),
+    not every segment since it started; what is listed still decodes from init.mp4."""
+    import av
+
+    from avatarstream.media.frames import AudioChunk, VideoChunk
+    from avatarstream.serve.hls import INIT, LIVE_SEGMENTS, FMP4HLSSink
+
+    sink = FMP4HLSSink(tmp_path / "hls", segment_seconds=0.2)
+    sink.open(64, 64, 25, 16000)
+    for i in range(40):  # 8 s of 0.2 s chunks -> ~40 segments made
+        frames = np.full((5, 64, 64, 3), (i * 6) % 255, np.uint8)
+        sink.write_video(VideoChunk(frames=frames, start_frame=5 * i, fps=25))
+        sink.write_audio(AudioChunk(samples=np.zeros(3200, np.float32), start_sample=3200 * i,
+                                    sample_rate=16000))
+        if i == 20:
+            on_disk_mid = len(list((tmp_path / "hls").glob("segment_*.m4s")))
+    sink.close()
+    playlist = (tmp_path / "hls" / "index.m3u8").read_text()
+    listed = [ln for ln in playlist.splitlines() if ln.startswith("segment_")]
+    on_disk = sorted((tmp_path / "hls").glob("segment_*.m4s"))
+    assert "PLAYLIST-TYPE:EVENT" not in playlist
+    assert 0 < len(listed) <= LIVE_SEGMENTS
+    assert on_disk_mid <= LIVE_SEGMENTS + 2 and len(on_disk) <= LIVE_SEGMENTS + 2
+    assert listed[-1] == on_disk[-1].name and int(listed[0][8:13]) > 0  # old ones are gone
+    data = (tmp_path / "hls" / INIT).read_bytes() + b"".join((tmp_path / "hls" / n).read_bytes() for n in listed)
+    (tmp_path / "joined.mp4").write_bytes(data)
+    with av.open(str(tmp_path / "joined.mp4")) as c:
+        n = sum(1 for _ in c.decode(video=0))
+    assert n >= 25 * 0.2 * (len(listed) - 1)

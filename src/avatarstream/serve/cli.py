@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from avatarstream.serve.app import ServerConfig, make_app
     from avatarstream.serve.avatars import UploadLimits
     from avatarstream.serve.session import LiveSessionConfig
-    from avatarstream.serve.webrtc import use_host_addresses
+    from avatarstream.serve.webrtc import is_loopback_host, use_host_addresses
 
     model = args.model or default_model()
     if model not in MODELS:
@@ -70,12 +69,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--max-sessions must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        loopback = ipaddress.ip_address(args.host).is_loopback
-    except ValueError:
-        loopback = args.host == "localhost"
     # WebRTC host candidates: loopback only for a loopback server, else the machine's addresses.
-    use_host_addresses(["127.0.0.1"] if loopback else None)
+    use_host_addresses(["127.0.0.1"] if is_loopback_host(args.host) else None)
     config = ServerConfig(
         data_dir=Path(args.data_dir),
         api_keys=frozenset(args.api_key) if args.api_key else None,

@@ -55,10 +55,13 @@ async def run_client(server: str, *, api_key: str, avatar: Path | None = None,
     import aiohttp
     from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
-    from avatarstream.serve.webrtc import use_host_addresses
+    from urllib.parse import urlsplit
 
-    use_host_addresses(["127.0.0.1"])
+    from avatarstream.serve.webrtc import is_loopback_host, use_host_addresses
+
     server = server.rstrip("/")
+    # the same rule as the server: loopback candidates for a loopback server, else this machine's
+    use_host_addresses(["127.0.0.1"] if is_loopback_host(urlsplit(server).hostname or "") else None)
     headers = {"Authorization": f"Bearer {api_key}"}
     rec, marks = Received(), {}
     recorder = Recorder(out) if out is not None else None

@@ -59,6 +59,16 @@ def use_host_addresses(addresses: list[str] | None) -> None:
     ice.get_host_addresses = hosts
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback address or `localhost` (a server or URL host name)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class Playout:
     """A session sink that plays its media out for WebRTC on a fixed delay (see module doc)."""
 

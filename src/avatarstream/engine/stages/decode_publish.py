@@ -108,6 +108,7 @@ class DecodePublishStage(Stage):
 
     def __init__(self, vae: Module, publisher: Publisher, *, fps: int) -> None:
         super().__init__()
+        self.vae, self.publisher, self.fps = vae, publisher, fps  # read by serve/batch.py too
         self.decoder = _Decoder(vae, publisher, fps)
         self.worker: DecodeWorker | None = None
 
