@@ -56,7 +56,7 @@ def test_bench_drift_json(capsys):
     the ablation rows (History Corrupt unavailable without a model trained without it)."""
     from avatarstream.cli import main
 
-    assert main(["bench", "drift", "--seconds", "10", "--speech-seconds", "4", "--json"]) == 0
+    assert main(["bench", "drift", "--model", "tiny-random", "--seconds", "10", "--speech-seconds", "4", "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [list(w) for w in r["windows"]] == [["start_s", "end_s", "face_sim", "sync_c", "color_shift"]]
     assert r["windows"][0]["color_shift"] == 0.0 and r["peak_rss_mb"] > 0

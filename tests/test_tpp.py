@@ -12,7 +12,6 @@ import json
 import av
 import numpy as np
 import pytest
-import torch
 
 from avatarstream.parallel.tpp import TPPJob, read_frames, run_tpp, split_steps
 

@@ -97,16 +97,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from avatarstream.media.audio import AudioReader
     from avatarstream.media.reference import load_reference
     from avatarstream.publish.file import FragmentedMP4Sink, check_writable
-    from avatarstream.registry import MODELS, available_models, load_model
+    from avatarstream.registry import MODELS, load_model, resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is None:
-        from avatarstream.registry import DEFAULT_MODEL
-
-        args.model = DEFAULT_MODEL
-    if args.model not in MODELS:
-        raise ConfigError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
+    args.model = resolve_model(args.model)
     out = Path(args.out)
     check_writable(out)
     spec_cfg = MODELS[args.model].pipeline()

@@ -88,6 +88,14 @@ def available_models() -> list[str]:
     return sorted(MODELS)
 
 
+def resolve_model(name: str | None) -> str:
+    """A command's --model: the name if it is registered, DEFAULT_MODEL when none was given."""
+    name = DEFAULT_MODEL if name is None else name
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}")
+    return name
+
+
 def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> ModelSet:
     """Build (and load the weights of) a named model. bf16: autocast the transformers in bf16
     (default: on for the small sizes where bf16 is fast on `device`: 2-3x fp32 on CPUs with

@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from avatarstream.engine.pipeline import rss_mb
 from avatarstream.errors import ConfigError
@@ -47,7 +46,8 @@ ABLATIONS = {"no_adaptive_sink": {"adaptive_sink": False}, "no_rolling_rope": {"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=1000.0, help="length of the rollout")
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out case (identity, voice)")
-    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--model", default=None,
+                        help="model name (default: the registry's default, the bundled model once it ships)")
     parser.add_argument("--no-history-corrupt-model", default=None, metavar="NAME",
                         help="the same causal model trained without History Corrupt (ablation row)")
     parser.add_argument("--no-ablations", action="store_true", help="only the full model's rollout")
@@ -251,11 +251,11 @@ def _change(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.registry import MODELS, available_models
+    from avatarstream.registry import resolve_model
 
-    for name in (args.model, args.no_history_corrupt_model):
-        if name is not None and name not in MODELS:
-            raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}")
+    args.model = resolve_model(getattr(args, "model", None))
+    if args.no_history_corrupt_model is not None:
+        resolve_model(args.no_history_corrupt_model)
     drift_windows(args.seconds)  # validates --seconds
     if args.speech_seconds < 2:
         raise ConfigError("--speech-seconds must be at least 2")

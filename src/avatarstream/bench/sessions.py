@@ -25,7 +25,8 @@ HELP = "concurrent live sessions in real time on one model: max_realtime_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--model", default=None,
+                        help="model name (default: the registry's default, the bundled model once it ships)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per n")
     parser.add_argument("--max", type=int, default=16, help="largest n tried")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (model default)")
@@ -128,6 +129,9 @@ def _trial(models, prepared, frames, n: int, args: argparse.Namespace, delay: fl
 
 
 def run(args: argparse.Namespace) -> dict:
+    from avatarstream.registry import resolve_model
+
+    args.model = resolve_model(getattr(args, "model", None))
     from avatarstream.bench.inputs import face_image
     from avatarstream.registry import load_model
     from avatarstream.serve.app import playout_delay

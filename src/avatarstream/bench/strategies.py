@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from avatarstream.bench.drift import COLOR_MEASURE, _change, drift_windows, rollout_in_process
-from avatarstream.errors import ConfigError
 
 HELP = "prefix vs interp vs causal: seam smoothness, drift over a long rollout, fps, TTFF, memory"
 STRATEGIES = ("prefix", "interp", "causal")
@@ -28,7 +27,8 @@ STRATEGIES = ("prefix", "interp", "causal")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=1000.0, help="length of each rollout")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--model", default=None,
+                        help="model name (default: the registry's default, the bundled model once it ships)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--write", default=None, metavar="PATH", help="also write the Markdown table here")
 
@@ -104,10 +104,9 @@ def write_doc(path: Path, result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.registry import MODELS, available_models
+    from avatarstream.registry import resolve_model
 
-    if args.model not in MODELS:
-        raise ConfigError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
+    args.model = resolve_model(getattr(args, "model", None))
     drift_windows(args.seconds)
     rows = {}
     for s in STRATEGIES:

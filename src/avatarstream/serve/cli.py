@@ -12,17 +12,6 @@ from avatarstream.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def default_model() -> str:
-    """The registry's default model: its DEFAULT_MODEL when it names one, else the bundled
-    `avatarstream-small` once it is registered, else `tiny-random`."""
-    from avatarstream import registry
-
-    named = getattr(registry, "DEFAULT_MODEL", None)
-    if isinstance(named, str) and named in registry.MODELS:
-        return named
-    return "avatarstream-small" if "avatarstream-small" in registry.MODELS else "tiny-random"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=8000)
@@ -54,15 +43,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from aiohttp import web
 
-    from avatarstream.registry import MODELS, available_models, load_model
+    from avatarstream.registry import load_model, resolve_model
     from avatarstream.serve.app import ServerConfig, make_app
     from avatarstream.serve.avatars import UploadLimits
     from avatarstream.serve.session import LiveSessionConfig
     from avatarstream.serve.webrtc import is_loopback_host, use_host_addresses
 
-    model = args.model or default_model()
-    if model not in MODELS:
-        raise ConfigError(f"unknown model {model!r}; available: {', '.join(available_models())}")
+    model = resolve_model(args.model)
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1-65535, got {args.port}")
     if args.max_sessions is not None and args.max_sessions < 0:

@@ -46,7 +46,7 @@ from avatarstream.models.causal import block_causal_forward, causal_block_forwar
 from avatarstream.models.dit import DiTCondition, DiTConfig, VideoRefDiT
 from avatarstream.samplers import flow_sigmas
 from avatarstream.train.data import motion_descriptor
-from avatarstream.train.tasks import _LatentTask, _pick, _rand, init_net
+from avatarstream.train.tasks import _LatentTask, _pick, init_net
 
 
 def history_corrupt(kv: BlockKV, scale: float, g: torch.Generator) -> BlockKV:
