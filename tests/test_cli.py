@@ -103,6 +103,8 @@ BAD = [
     ("audio over the cap", ["--max-audio-seconds", "2"], "--max-audio-seconds"),
     ("unwritable output", ["--out", "/proc/avatarstream/out.mp4"], "out"),
     ("unknown model", ["--model", "no-such-model"], "no-such-model"),
+    ("one guidance scale", ["--audio-scale", "3"], "--ref-scale"),
+    ("guidance scale out of range", ["--audio-scale", "-1", "--ref-scale", "1"], "--audio-scale"),
 ]
 
 

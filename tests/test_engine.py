@@ -321,3 +321,27 @@ def test_overlapped_decode_error_reaches_the_caller():
     with pytest.raises(RuntimeError, match="decoder exploded"):
         Pipeline(models).run(reference(), audio_chunks(3.0), [ListSink()])
     assert threading.active_count() == before
+
+
+def test_guidance_scales_reach_the_dit(one_thread):
+    """PipelineConfig's (audio, reference) scales go to every DiT call as `cond.guidance`; none
+    set: no guidance input at all (the plain conditional prediction)."""
+    import dataclasses
+
+    from avatarstream.registry import load_model
+
+    models = load_model("tiny-random")
+    seen = []
+    forward = models.dit.model.forward
+
+    def spy(x, sigma, cond, ref):  # noqa: ANN001
+        seen.append(None if cond.guidance is None else cond.guidance.tolist())
+        return forward(x, sigma, cond, ref)
+
+    models.dit.model.forward = spy
+    for scales in ((None, None), (2.5, 1.5)):
+        cfg = dataclasses.replace(models.config, audio_scale=scales[0], ref_scale=scales[1])
+        seen.clear()
+        Pipeline(models, cfg).run(reference(), audio_chunks(1.0), [ListSink()])
+        want = None if scales[0] is None else [[2.5, 1.5]]
+        assert seen and all(g == want for g in seen), seen[:3]

@@ -228,8 +228,11 @@ def test_export_loads_into_registry(trained, dataset, tmp_path, monkeypatch):
     assert torch.equal(sd["blocks.0.self_attn.q.weight"], ck["ema.dit.blocks.0.self_attn.q.weight"])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"] == "tiny" and cfg["pipeline"]["hr_size"] == 64
+    # the DiT takes the CFG scales as inputs: the distill run's scales are the model's defaults
+    assert (cfg["pipeline"]["audio_scale"], cfg["pipeline"]["ref_scale"]) == (3.0, 1.5)
     monkeypatch.setitem(registry.MODELS, "tiny-trained", model_spec(out))
     ms = registry.load_model("tiny-trained")
+    assert ms.config.guidance == (3.0, 1.5)
     assert torch.equal(ms.vae.model.state_dict()["quant_conv.weight"],
                        load_file(str(out / "vae.safetensors"))["quant_conv.weight"])
     # default storage: bf16, half the bytes, loads into the same classes
@@ -237,6 +240,45 @@ def test_export_loads_into_registry(trained, dataset, tmp_path, monkeypatch):
     assert s16["bytes"] < 0.55 * s["bytes"]
     w16 = load_exported(tmp_path / "w16")["dit"].state_dict()["blocks.0.self_attn.q.weight"]
     assert torch.equal(w16, sd["blocks.0.self_attn.q.weight"].bfloat16().float())
+
+
+def test_cfg_distilled_student_takes_the_scales_as_inputs(trained, dataset, tmp_path):
+    """CFG distillation with the scales as inputs: the student starts as the teacher whatever the
+    scales (zero guidance embedding), and after 200 steps its change from low to high scales
+    points the way the teacher's guided velocity changes (cosine > 0.15, measured 0.28-0.32; after
+    30 steps it is -0.05 to -0.23 with a change 20x too small: the scales were not used yet) with
+    a size within 3x (measured 0.83-0.92 of the teacher's change)."""
+    from avatarstream.train.tasks import make_task
+    from avatarstream.train.trainer import net_weights
+
+    init = needs("cfg-distill-tiny", trained)
+    task = make_task(recipe("cfg-distill-tiny", dataset, **FAST["cfg-distill-tiny"], **init), torch.device("cpu"))
+    task.nets["dit"].load_state_dict(net_weights(trained["a2v-tiny"], "dit"))
+    task.after_init()  # teacher = student = the a2v DiT
+    teacher, student = task.nets["teacher"].eval(), task.nets["dit"].eval()
+    scales = {"low": (1.5, 1.2), "high": (3.5, 2.2)}
+    with torch.no_grad():
+        b = task.batch(torch.Generator().manual_seed(7))
+        g = torch.tensor([scales["high"]] * b["xs"].shape[0])
+        assert torch.equal(task.predict(student, b, guidance=g)[0].velocity, task.predict(teacher, b)[0].velocity)
+    run("cfg-distill-tiny", dataset, tmp_path / "cfg", train__steps=200, train__checkpoint_every=200,
+        **FAST["cfg-distill-tiny"], **init)
+    student.load_state_dict(net_weights(tmp_path / "cfg", "dit"))
+    cos, ratio = [], []
+    for seed in (1, 2, 3):
+        b = task.batch(torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            full = task.predict(teacher, b)[0].velocity
+            no_a = task.predict(teacher, b, audio=False)[0].velocity
+            none = task.predict(teacher, b, audio=False, ref=False)[0].velocity
+            target = {k: none + r * (no_a - none) + a * (full - no_a) for k, (a, r) in scales.items()}
+            guided = {k: task.predict(student, b, guidance=torch.tensor([v] * b["xs"].shape[0]))[0].velocity
+                      for k, v in scales.items()}
+        dg = (guided["high"] - guided["low"]).flatten()
+        dt = (target["high"] - target["low"]).flatten()
+        cos.append(float(torch.nn.functional.cosine_similarity(dg, dt, 0)))
+        ratio.append(float(dg.norm() / dt.norm()))
+    assert min(cos) > 0.15 and 1 / 3 < min(ratio) and max(ratio) < 3, (cos, ratio)
 
 
 # -- command line ---------------------------------------------------------------------------------

@@ -39,6 +39,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="chunk length in seconds of video (rounded to whole latent frames)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk")
     p.add_argument("--sampler", choices=["euler", "stochastic"], default=None)
+    p.add_argument("--audio-scale", type=float, default=None,
+                   help="audio guidance scale of a CFG-distilled model (default: the model's)")
+    p.add_argument("--ref-scale", type=float, default=None,
+                   help="reference guidance scale of a CFG-distilled model (default: the model's)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prompt", default="", help="optional text/scene description")
     p.add_argument("--hls", default=None, metavar="DIR", help="also publish a live HLS stream into DIR")
@@ -69,6 +73,14 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
         o["sampler"] = args.sampler
     if args.seed is not None:
         o["seed"] = args.seed
+    for key in ("audio_scale", "ref_scale"):
+        val = getattr(args, key, None)
+        if val is not None:
+            if not 0.0 <= val <= 20.0:
+                raise ConfigError(f"--{key.replace('_', '-')} must be between 0 and 20, got {val}")
+            o[key] = val
+    if (o.get("audio_scale", c.audio_scale) is None) != (o.get("ref_scale", c.ref_scale) is None):
+        raise ConfigError("give both --audio-scale and --ref-scale (this model has no default scales)")
     if getattr(args, "no_adaptive_sink", False):
         o["adaptive_sink"] = False
     if getattr(args, "no_rolling_rope", False):

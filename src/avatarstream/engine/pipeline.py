@@ -58,6 +58,10 @@ class PipelineConfig:
     sampler: str = "euler"  # "euler" | "stochastic"
     shift: float = 1.0
     overshoot: float = 0.2
+    # CFG scales (audio, reference) of a CFG-distilled DiT with the scales as inputs; None: its
+    # plain conditional prediction
+    audio_scale: float | None = None
+    ref_scale: float | None = None
     sr_sigma: float = 0.6
     sr_window: int = 1
     audio_window: int = 1
@@ -74,6 +78,13 @@ class PipelineConfig:
     ref_t_position: float = -8.0
     fps: int = 25
     sample_rate: int = 16000
+
+    @property
+    def guidance(self) -> tuple[float, float] | None:
+        """(audio, reference) scales for the DiT, or None (both must be set to use guidance)."""
+        if self.audio_scale is None or self.ref_scale is None:
+            return None
+        return (float(self.audio_scale), float(self.ref_scale))
 
     @property
     def ref_pixel_frames(self) -> int:
@@ -163,7 +174,7 @@ def default_stages(pipe: "Pipeline", schedule: ContinuitySchedule, publisher: Pu
     return [
         pipe.context_stage(),
         AudioToVideoStage(m.dit, steps=c.steps, sampler=c.sampler, shift=c.shift,
-                          overshoot=c.overshoot, seed=c.seed),
+                          overshoot=c.overshoot, seed=c.seed, guidance=c.guidance),
         *pipe.output_stages(schedule, publisher),
     ]
 

@@ -74,7 +74,7 @@ def causal_block_forward(dit: VideoRefDiT, x: torch.Tensor, sigma: torch.Tensor,
     """
     b, _, t = x.shape[:3]
     sigma = dit._sigma(sigma, b, t, x.device)
-    e, e6 = dit._time(sigma)
+    e, e6 = dit._time(sigma, cond.guidance)
     patches, hp, wp = dit._patches(x)
     mt = dit._motion_tokens(cond.motion, e)
     h = torch.cat([patches, mt[:, :, None].to(patches.dtype)], dim=2)  # [B, Tb, P, D]
@@ -150,7 +150,7 @@ def block_causal_forward(dit: VideoRefDiT, x: torch.Tensor, sigma: torch.Tensor,
     if len(sink_of_block) != nb:
         raise ValueError(f"sink_of_block names {len(sink_of_block)} blocks, the sequence has {nb}")
     sigma = dit._sigma(sigma, b, t, x.device)
-    e, e6 = dit._time(sigma)
+    e, e6 = dit._time(sigma, cond.guidance)
     _, e06 = dit._time(torch.zeros(1, 1, device=x.device))
     patches, hp, wp = dit._patches(x)
     mt = dit._motion_tokens(cond.motion, e)

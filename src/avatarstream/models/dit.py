@@ -99,7 +99,8 @@ class DiTCondition:
     motion: `[B, T, Dm]` noisy motion tokens (sigma of their frame); audio: `[B, T, A, Da]`;
     text: `[B, L, Dt]`; text_mask: `[B, L]` bool (True = real token) or None; t_pos: `[T]` float
     temporal RoPE positions of the chunk's latent frames; lr: `[B, C, T, h, w]` or None (unused
-    by the DiT, kept for the protocol).
+    by the DiT, kept for the protocol); guidance: `[B, 2]` (audio scale, reference scale) of a
+    CFG-distilled DiT, or None for the plain conditional prediction (see `guidance_embedding`).
     """
 
     motion: torch.Tensor
@@ -108,6 +109,7 @@ class DiTCondition:
     text_mask: torch.Tensor | None = None
     t_pos: torch.Tensor | None = None
     lr: torch.Tensor | None = None
+    guidance: torch.Tensor | None = None
 
 
 @dataclass
@@ -126,6 +128,11 @@ def sinusoidal_embedding(pos: torch.Tensor, dim: int) -> torch.Tensor:
     freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=pos.device) / half)
     ang = pos.double()[..., None] * freqs
     return torch.cat([ang.cos(), ang.sin()], dim=-1).float()
+
+
+def guidance_features(guidance: torch.Tensor, dim: int) -> torch.Tensor:
+    """CFG scales `[B, 2]` (audio, reference) -> `[B, dim]`: a sinusoid of 100 x each scale."""
+    return torch.cat([sinusoidal_embedding(100.0 * guidance[:, i].float(), dim // 2) for i in range(2)], -1)
 
 
 class SelfAttention(nn.Module):
@@ -312,9 +319,14 @@ class RefTransformer(nn.Module):
             p.copy_(val.to(p.dtype))
 
     # -- embeddings ------------------------------------------------------------------------------
-    def _time(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """sigma `[B, F]` -> e `[B, F, D]`, e6 `[B, F, 6, D]` (timestep of 1000 * sigma)."""
+    def _time(self, sigma: torch.Tensor, guidance: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """sigma `[B, F]` -> e `[B, F, D]`, e6 `[B, F, 6, D]` (timestep of 1000 * sigma), plus the
+        guidance scales' embedding `[B, 1, D]` where given (a model that has one)."""
         e = self.time_embedding(sinusoidal_embedding(1000.0 * sigma.float(), self.config.freq_dim))
+        embed = getattr(self, "guidance_embedding", None)
+        if guidance is not None and embed is not None:
+            e = e + embed(guidance_features(guidance, self.config.freq_dim))[:, None]
         e6 = self.time_projection(e).unflatten(-1, (6, self.config.dim))
         return e, e6
 
@@ -418,7 +430,7 @@ class RefTransformer(nn.Module):
         """Sparse path. xin `[B, Cin, T, h, w]` -> (velocity `[B, out, T, h, w]`, motion `[B, T, Dm]`)."""
         b, _, t = xin.shape[:3]
         sigma = self._sigma(sigma, b, t, xin.device)
-        e, e6 = self._time(sigma)
+        e, e6 = self._time(sigma, cond.guidance)
         patches, hp, wp = self._patches(xin)
         mt = self._motion_tokens(cond.motion, e)
         x = torch.cat([patches, mt[:, :, None].to(patches.dtype)], dim=2)  # [B, T, P, D]
@@ -460,7 +472,7 @@ class RefTransformer(nn.Module):
         if valid is None:
             valid = torch.ones(b, r, dtype=torch.bool, device=xin.device)
         valid = valid.to(torch.bool).reshape(b, r)
-        e, e6 = self._time(sigma)
+        e, e6 = self._time(sigma, cond.guidance)
         _, e06 = self._time(torch.zeros(1, 1, device=xin.device))
         e6_all = torch.cat([e06.expand(b, r, *e06.shape[2:]), e6], dim=1)  # [B, R+T, 6, D]
         patches, hp, wp = self._patches(xin)
@@ -496,6 +508,12 @@ class VideoRefDiT(RefTransformer):
     def __init__(self, config: DiTConfig) -> None:
         super().__init__(config, config.in_channels, config.in_channels, window=None,
                          motion_head=True)
+        # CFG distillation with the scales as inputs (Avatar V sec. 3.4): the guidance scales'
+        # embedding joins the timestep's. Registered last (the other parameters' seeded init is
+        # unchanged); a trained model starts it at zero (train.tasks.init_net), and it is only
+        # applied when a condition carries `guidance`, so a plain A2V model never sees it.
+        d = config.dim
+        self.guidance_embedding = nn.Sequential(nn.Linear(config.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: DiTCondition,
                 ref: ReferenceCache | None) -> DiTOutput:

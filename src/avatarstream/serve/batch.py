@@ -91,13 +91,15 @@ def denoise_batch(items: Sequence[Item]) -> None:
     text, text_mask = _text(items)
     ref = stack_references([s.state.dit_reference for _, s in items])
     dit = a2v.dit
+    guidance = None if a2v.guidance is None else a2v.guidance.expand(len(items), 2)  # [B, 2]
 
     def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         xs_, ms_ = unpack(flat, x.shape, m.shape)
         xs_ = torch.where(gx, x_clean, xs_)  # given frames stay clean
         ms_ = torch.where(gm, m_clean, ms_)
         sig = torch.full(given.shape, float(sigma)).masked_fill(given, 0.0)  # [B, T]
-        cond = DiTCondition(motion=ms_, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos)
+        cond = DiTCondition(motion=ms_, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
+                            guidance=guidance)
         out = dit.call("forward", xs_, sig, cond, ref)
         v = out.velocity.float().masked_fill(gx, 0.0)
         mv = out.motion_velocity.float().masked_fill(gm, 0.0)

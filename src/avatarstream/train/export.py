@@ -115,6 +115,12 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     from avatarstream.registry import _small_pipeline, _tiny_pipeline
 
     pipe = (_tiny_pipeline if model == "tiny" else _small_pipeline)()
+    dit_run = next((side for _, side, _ in runs if "dit" in side["trainable"]), None)
+    distill = _run_recipe(runs, dit_run)
+    if distill.get("stage") == "cfg-distill" and distill.get("cfg-distill", {}).get("guidance_input"):
+        # the DiT takes the CFG scales as inputs: its run's scales are the model's defaults
+        pipe = dataclasses.replace(pipe, audio_scale=distill["cfg-distill"]["audio_scale"],
+                                   ref_scale=distill["cfg-distill"]["ref_scale"])
     cfg = {"model": model,
            "configs": {n: dataclasses.asdict(nets[n].cfg if n == "vae" else nets[n].config) for n in NETS},
            "pipeline": dataclasses.asdict(pipe), "trained": trained, "dtype": dtype, "frozen_copies": frozen,
@@ -122,6 +128,14 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     return {"out": str(out), "model": model, "bytes": total, "trained": trained,
             "frozen_copies": frozen, "untrained": untrained}
+
+
+def _run_recipe(runs: list[tuple[Path, dict, dict]], side: dict | None) -> dict[str, Any]:
+    """The resolved recipe (recipe.json) of the run whose checkpoint side-car is `side`."""
+    for rd, sd, _ in runs:
+        if sd is side and (rd / "recipe.json").is_file():
+            return json.loads((rd / "recipe.json").read_text())
+    return {}
 
 
 def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-untyped-def]
@@ -145,9 +159,17 @@ def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in stored[key].items()}
         return lambda: cls(**kw)
 
+    preset = _tiny_pipeline if m == "tiny" else _small_pipeline
+    stored_pipe = cfg.get("pipeline", {})
+
+    def pipeline():  # type: ignore[no-untyped-def]
+        """Today's preset, with the inference defaults the export chose (CFG scales)."""
+        keep = {k: stored_pipe[k] for k in ("audio_scale", "ref_scale") if stored_pipe.get(k) is not None}
+        return dataclasses.replace(preset(), **keep)
+
     return ModelSpec(name or folder.name, pick(DiTConfig, "dit"), pick(RefinerConfig, "refiner"),
                      pick(VAEConfig, "vae"), pick(AudioConfig, "audio"), pick(TextConfig, "text"),
-                     _tiny_pipeline if m == "tiny" else _small_pipeline,
+                     pipeline,
                      weights=folder, description=f"trained ({m}) from {folder}")
 
 

@@ -53,7 +53,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 DEFAULTS["cfg-distill"] = {**DEFAULTS["a2v"], "human_sync": 0.0, "human_identity": 0.0, "p_drop_audio": 0.0, "p_drop_ref": 0.0, "audio_scale": 3.0,
-                           "ref_scale": 1.5, "train_audio": False, "train_text": False}
+                           "ref_scale": 1.5, "train_audio": False, "train_text": False,
+                           # scales as inputs: drawn per sample from these ranges; audio_scale /
+                           # ref_scale above become the exported model's default scales
+                           "guidance_input": True, "audio_scale_min": 1.0, "audio_scale_max": 5.0,
+                           "ref_scale_min": 1.0, "ref_scale_max": 3.0}
 
 # The causal student (train/causal_tasks.py): diffusion forcing, then Self-Forcing DMD.
 _CAUSAL = {"chunk": 12, "block": 3, "history": 4, "ref_frames": 8, "p_cross_scene": 1.0, "audio_window": 1,

@@ -56,6 +56,8 @@ def init_net(name: str, net: nn.Module, seed: int) -> None:
             for n, p in net.named_parameters():
                 if n.startswith("head.") or n.startswith("motion_head.") or n.endswith("o.weight"):
                     p.mul_(0.1)
+                if n.startswith("guidance_embedding.2."):  # neutral until CFG distillation trains it
+                    p.zero_()
 
 
 def _pick(g: torch.Generator, n: int) -> int:
@@ -393,9 +395,11 @@ class A2VTask(_LatentTask):
         b["weight"] = self.latent_weight(clips, starts, x0t.shape[-1])  # [B, 1, T, h, w]
         return b
 
-    def predict(self, dit: VideoRefDiT, b: dict[str, Any], *, audio: bool = True, ref: bool = True):  # type: ignore[no-untyped-def]
+    def predict(self, dit: VideoRefDiT, b: dict[str, Any], *, audio: bool = True, ref: bool = True,  # type: ignore[no-untyped-def]
+                guidance: torch.Tensor | None = None):
         """(DiTOutput, ReferenceCache | None) of `dit` on batch b, with the audio and/or reference
-        stream dropped for every element when asked (CFG streams)."""
+        stream dropped for every element when asked (CFG streams); guidance `[B, 2]`: the CFG
+        scales of a distilled student."""
         c, T = self.cfg, self.T
         cache = None
         if ref:
@@ -403,7 +407,7 @@ class A2VTask(_LatentTask):
             cache = dit.encode_reference(b["ref_lat"], b["ref_valid"], t_ref)
         tok = b["audio"] if audio else torch.zeros_like(b["audio"])
         cond = DiTCondition(motion=b["ms"], audio=tok, text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device))
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), guidance=guidance)
         return dit(b["xs"], b["sigma"], cond, cache), cache
 
     def flow_losses(self, b: dict[str, Any], v: torch.Tensor, mv: torch.Tensor, v_target: torch.Tensor,
@@ -459,9 +463,13 @@ class CFGDistillTask(A2VTask):
         v_cfg = v(∅, ∅) + ref_scale · (v(∅, r) − v(∅, ∅)) + audio_scale · (v(a, r) − v(∅, r))
 
     (same for the motion velocity); loss = weighted MSE(student v(a, r), v_cfg) + motion ·
-    MSE(motion). The guidance scales are recipe inputs (fixed per run): the distilled DiT has the
-    unchanged architecture, so the engine runs it as is. The teacher must have been trained with
-    audio/reference dropout (a2v `p_drop_audio`, `p_drop_ref`)."""
+    MSE(motion). With `guidance_input` (default) the scales are the student's inputs: drawn per
+    sample from [audio_scale_min, audio_scale_max] x [ref_scale_min, ref_scale_max] and given to
+    it as `DiTCondition.guidance`, so one forward pass serves any scale at inference (the engine's
+    `--audio-scale` / `--ref-scale`; `audio_scale` / `ref_scale` are the exported defaults).
+    Without it the scales are fixed per run. The student's guidance embedding starts at zero, so
+    it starts as the teacher. The teacher must have been trained with audio/reference dropout
+    (a2v `p_drop_audio`, `p_drop_ref`)."""
 
     stage = "cfg-distill"
     trainable = ("dit",)
@@ -479,21 +487,39 @@ class CFGDistillTask(A2VTask):
         return ("dit", "audio", "text")
 
     def after_init(self) -> None:
+        with torch.no_grad():  # the student starts as the teacher, whatever the scales
+            self.nets["dit"].guidance_embedding[2].weight.zero_()
+            self.nets["dit"].guidance_embedding[2].bias.zero_()
         self.nets["teacher"].load_state_dict(self.nets["dit"].state_dict())
+
+    def scales(self, g: torch.Generator, batch: int) -> torch.Tensor:
+        """`[B, 2]` (audio, reference) guidance scales of a step's samples."""
+        c = self.cfg
+        if not c["guidance_input"]:
+            return torch.tensor([[c["audio_scale"], c["ref_scale"]]]).expand(batch, 2)
+        u = torch.rand(batch, 2, generator=g)
+        lo = torch.tensor([c["audio_scale_min"], c["ref_scale_min"]])
+        hi = torch.tensor([c["audio_scale_max"], c["ref_scale_max"]])
+        return lo + u * (hi - lo)
 
     def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.cfg
         b = self.batch(g)
         teacher = self.nets["teacher"]
+        s = self.scales(g, b["xs"].shape[0]).to(self.device)  # [B, 2]
+
+        def guide(full: torch.Tensor, no_a: torch.Tensor, none: torch.Tensor) -> torch.Tensor:
+            shape = (-1,) + (1,) * (full.dim() - 1)
+            a, r = s[:, 0].reshape(shape), s[:, 1].reshape(shape)
+            return none.float() + r * (no_a.float() - none.float()) + a * (full.float() - no_a.float())
+
         with torch.no_grad():
             full, _ = self.predict(teacher, b)
             no_a, _ = self.predict(teacher, b, audio=False)
             none, _ = self.predict(teacher, b, audio=False, ref=False)
-            guide = lambda f: (f(none).float() + c["ref_scale"] * (f(no_a).float() - f(none).float())  # noqa: E731
-                               + c["audio_scale"] * (f(full).float() - f(no_a).float()))
-            v_cfg = guide(lambda o: o.velocity)
-            mv_cfg = guide(lambda o: o.motion_velocity)
-        out, _ = self.predict(self.nets["dit"], b)
+            v_cfg = guide(full.velocity, no_a.velocity, none.velocity)
+            mv_cfg = guide(full.motion_velocity, no_a.motion_velocity, none.motion_velocity)
+        out, _ = self.predict(self.nets["dit"], b, guidance=s if c["guidance_input"] else None)
         loss_v, loss_m = self.flow_losses(b, out.velocity, out.motion_velocity, v_cfg, mv_cfg)
         total = loss_v + c["motion"] * loss_m
         gap = (full.velocity.float() - v_cfg).square().mean()

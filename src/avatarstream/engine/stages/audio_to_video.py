@@ -28,9 +28,13 @@ class AudioToVideoStage(Stage):
     writes = ("lr_latents", "motion")
 
     def __init__(self, dit: Module, *, steps: int, sampler: str = "euler", shift: float = 1.0,
-                 overshoot: float = 0.2, seed: int = 0) -> None:
+                 overshoot: float = 0.2, seed: int = 0,
+                 guidance: tuple[float, float] | None = None) -> None:
+        """guidance: (audio, reference) CFG scales for a CFG-distilled DiT (one forward pass takes
+        them as inputs), or None for its plain conditional prediction."""
         super().__init__()
         self.dit = dit
+        self.guidance = None if guidance is None else torch.tensor([guidance], dtype=torch.float32)  # [1, 2]
         self.sigmas = flow_sigmas(steps, shift)
         self.sampler = sampler
         self.overshoot = overshoot
@@ -54,7 +58,8 @@ class AudioToVideoStage(Stage):
             xs[:, :, given], ms[:, given] = x_clean, m_clean  # given frames stay clean
             sig = torch.full((1, plan.length), float(sigma))
             sig[:, given] = 0.0
-            cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos)
+            cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
+                                guidance=self.guidance)
             out = self.dit.call("forward", xs, sig, cond, ref)
             v, mv = out.velocity.float(), out.motion_velocity.float()
             v[:, :, given], mv[:, given] = 0.0, 0.0
