@@ -332,3 +332,26 @@ def test_human_losses_reach_the_dit(dataset, tmp_path):
     t.run()
     logs = [json.loads(ln) for ln in (tmp_path / "h" / "log.jsonl").read_text().splitlines()]
     assert all("human_sync" in r and "human_identity" in r for r in logs)  # p_human = 1
+
+
+def test_train_script_runs_the_whole_chain(tmp_path):
+    """recipes/train.sh at the tiny size: synth -> VAE -> prepare -> A2V -> SFT -> CFG distill ->
+    SR -> export, from a copy of the recipes (its data and runs stay in tmp_path)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from avatarstream.train.export import load_exported
+
+    shutil.copytree(RECIPES, tmp_path / "recipes")
+    av = Path(sys.executable).with_name("avatarstream")
+    env = dict(os.environ, AV=str(av), SIZE="tiny", OUT=str(tmp_path / "w"), OMP_NUM_THREADS="1")
+    r = subprocess.run(["bash", str(tmp_path / "recipes" / "train.sh")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "w" / "config.json").read_text())
+    assert set(cfg["trained"]) == {"dit", "refiner", "vae", "audio", "text"} and not cfg["untrained"]
+    assert cfg["trained"]["dit"] == "runs/cfg-distill-tiny"
+    assert (cfg["pipeline"]["audio_scale"], cfg["pipeline"]["ref_scale"]) == (3.0, 1.5)
+    load_exported(tmp_path / "w")

@@ -71,7 +71,7 @@ class DiTConfig:
     def small(cls) -> "DiTConfig":
         """Bundled size: latent 16x16 from 128 px, chunk 8 latent frames, reference <= 16 frames.
 
-        6 layers x width 192 (3 heads of 64), FFN 768: 5.0M parameters. 65 tokens per latent
+        6 layers x width 192 (3 heads of 64), FFN 768: 5.1M parameters. 65 tokens per latent
         frame (8x8 patches + 1 motion token). One forward (`dit(x, sigma, cond, ref)`) at chunk 8
         with a 16-frame cached reference (520 generation tokens attending to 1040 + 520 keys,
         8 text tokens, 6 audio tokens per frame) costs 3.76 GFLOP
