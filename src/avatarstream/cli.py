@@ -31,6 +31,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "processes (one share of the steps each) + 1 decode process")
     p.add_argument("--split-decode", action="store_true",
                    help="with --workers: SR refiner and VAE decode in two processes (N + 2 in all)")
+    p.add_argument("--decode-inline", action="store_true",
+                   help="VAE decode in the generating thread (default: a thread of its own, same video)")
     p.add_argument("--no-adaptive-sink", action="store_true",
                    help="causal: keep the reference as attention sink (ablation of AAS)")
     p.add_argument("--no-rolling-rope", action="store_true",
@@ -81,6 +83,8 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
             o[key] = val
     if (o.get("audio_scale", c.audio_scale) is None) != (o.get("ref_scale", c.ref_scale) is None):
         raise ConfigError("give both --audio-scale and --ref-scale (this model has no default scales)")
+    if getattr(args, "decode_inline", False):
+        o["decode_overlap"] = False
     if getattr(args, "no_adaptive_sink", False):
         o["adaptive_sink"] = False
     if getattr(args, "no_rolling_rope", False):

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported")
+    p.add_argument("--decode-inline", action="store_true",
+                   help="decode in the generating thread (the A/B of the overlapped decode)")
 
 
 def generate_once(model: str, reference: str, audio: str, *, steps: int | None = None,
@@ -90,11 +92,9 @@ def summarise(summary: dict, process_s: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.registry import DEFAULT_MODEL, MODELS, available_models
+    from avatarstream.registry import MODELS, resolve_model
 
-    model = args.model or DEFAULT_MODEL
-    if model not in MODELS:
-        raise ConfigError(f"unknown model {model!r}; available: {', '.join(available_models())}")
+    model = resolve_model(args.model)
     for p in (args.reference, args.audio):
         if not Path(p).is_file():
             raise InputError(f"{p}: not found (run from the repository root, or pass --reference/--audio)")
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> dict:
     best = None
     for _ in range(args.repeat):
         summary, process_s, out = generate_once(model, args.reference, args.audio, steps=args.steps,
-                                                strategy=args.strategy, threads=args.threads)
+                                                strategy=args.strategy, threads=args.threads,
+                                                extra=["--decode-inline"] if args.decode_inline else None)
         out.unlink(missing_ok=True)
         out.parent.rmdir()
         r = summarise(summary, process_s)
@@ -112,4 +113,5 @@ def run(args: argparse.Namespace) -> dict:
     assert best is not None
     pipe = MODELS[model].pipeline()
     return {**best, "model": model, "steps": args.steps or pipe.steps, "strategy": args.strategy or pipe.strategy,
-            "threads": args.threads or os.cpu_count(), "resolution": pipe.hr_size}
+            "threads": args.threads or os.cpu_count(), "resolution": pipe.hr_size,
+            "decode_overlap": not args.decode_inline}
