@@ -60,3 +60,4 @@ def test_recipe_bf16_values():
     assert load_recipe("vae-tiny", ["train.bf16=false"])["train"]["bf16"] is False
     with pytest.raises(ConfigError, match="train.bf16"):
         load_recipe("vae-tiny", ['train.bf16="maybe"'])
+

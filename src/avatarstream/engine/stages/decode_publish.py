@@ -7,7 +7,10 @@ threading of thin convolutions and 500-token attention gains little). With a wor
 decode of chunk k runs on its own core while the DiT and the refiner make chunk k+1: the same
 ops on the same data in the same order (the conv cache is touched by the worker alone), so the
 video is bit-identical to the inline decode (tests/test_engine.py), and at most one chunk of
-latents waits in between (constant memory, back-pressure on the loop).
+latents waits in between (constant memory, back-pressure on the loop). The first chunk is
+decoded inline, with every core, so time to first frame is not held back (measured on 2 AVX2
+cores, 256 px, the 11.4M-parameter model: inline 1.05x real time, TTFF 1.28 s; the worker from
+the first chunk 1.10x, TTFF 1.91 s; from the second chunk on 1.11x, TTFF 1.31 s).
 """
 
 from __future__ import annotations
@@ -120,7 +123,9 @@ class DecodePublishStage(Stage):
     def run(self, rec: ChunkRecord, state: SessionState) -> None:
         for cid in rec.plan.publish:
             hr = state.store.take_emitted(cid)  # [1, C, E, H/8, W/8]
-            if self.worker is not None:
+            # the first frames are decoded here, with every core: time to first frame is not
+            # held back by the next chunk's work; the worker takes over from the second chunk
+            if self.worker is not None and state.frames_published > 0:
                 self.worker.submit(hr, state.total_frames)
             else:
                 self.decoder.decode_publish(hr, state, state.total_frames)
