@@ -34,6 +34,7 @@ def feature(frame: np.ndarray | int) -> np.ndarray:
 class MockRef:
     def __init__(self, frames: int) -> None:
         self.frames = frames
+        self.motion = torch.zeros(1, frames, 2)
 
     def concat(self, other: "MockRef") -> "MockRef":
         return MockRef(self.frames + other.frames)
@@ -136,9 +137,12 @@ class ListSink:
         self.audio_samples += chunk.samples.shape[0]
 
 
-def mock_models(strategy: str = "prefix", latency: float = 0.0, chunk: int = 5) -> ModelSet:
+def mock_models(strategy: str = "prefix", latency: float = 0.0, chunk: int = 5,
+                scene: bool = False) -> ModelSet:
+    """scene False: every frame follows the audio (the mock DiT's x0), the frame-0 scene frame
+    of ref2v / N chunks is tested on its own."""
     cfg = PipelineConfig(lr_size=32, hr_size=64, latent_channels=1, motion_dim=2, chunk=chunk,
-                         ref_frames=2, steps=3, strategy=strategy, audio_window=W)
+                         ref_frames=2, steps=3, strategy=strategy, audio_window=W, scene_frame=scene)
     return ModelSet(
         name="mock", dit=Module("dit", MockDiT(latency)), refiner=Module("refiner", MockRefiner()),
         vae=Module("vae", MockVAE()), audio=Module("audio", nn.Identity()),
@@ -345,3 +349,30 @@ def test_guidance_scales_reach_the_dit(one_thread):
         Pipeline(models, cfg).run(reference(), audio_chunks(1.0), [ListSink()])
         want = None if scales[0] is None else [[2.5, 1.5]]
         assert seen and all(g == want for g in seen), seen[:3]
+
+
+@pytest.mark.parametrize("strategy", ["prefix", "interp"])
+def test_scene_frame_is_given_to_chunks_made_from_the_reference(strategy):
+    """With scene_frame the reference's first usable latent (the mock VAE encodes zeros: pixel
+    128) is frame 0 of the first chunk, published as the first video frame, and the DiT sees it
+    clean (sigma 0) in every ref2v / N chunk; later frames still follow the audio."""
+    models = mock_models(strategy, scene=True)
+    sigmas0 = []
+    forward = models.dit.model.forward
+
+    def spy(x, sigma, cond, ref):  # noqa: ANN001
+        sigmas0.append(float(sigma[0, 0]))
+        return forward(x, sigma, cond, ref)
+
+    models.dit.model.forward = spy
+    sink = ListSink()
+    Pipeline(models).run(reference(), audio_chunks(3.0), [sink])
+    pixels = np.concatenate([c.frames[:, 0, 0, 0] for c in sink.video]).astype(np.float64)
+    want = expected_pixels(len(pixels))
+    assert pixels[0] == 128 and want[0] != 128
+    np.testing.assert_allclose(pixels[1:], want[1:], atol=1)
+    steps = models.config.steps
+    n_from_ref = 1 if strategy == "prefix" else len(sink.video) // 2  # N chunks: about half
+    assert sigmas0[:steps] == [0.0] * steps  # chunk 0: frame 0 given at every step
+    if strategy == "interp":
+        assert sigmas0.count(0.0) >= steps * n_from_ref

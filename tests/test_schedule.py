@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from avatarstream.engine.clock import MediaClock
-from avatarstream.engine.schedule import InterpSchedule, PrefixSchedule, make_schedule
+from avatarstream.engine.schedule import SCENE_CHUNK, InterpSchedule, PrefixSchedule, make_schedule
 from avatarstream.errors import ConfigError
 
 
@@ -30,6 +30,9 @@ def simulate(schedule, total_known_at: int | None, total: int) -> tuple[list[int
         kinds.append(plan.kind)
         values = list(plan.positions)
         for g in plan.given:
+            if g.source_chunk == SCENE_CHUNK:  # the scene image, placed at this position
+                assert g.index == 0 and plan.kind in ("ref2v", "N"), plan
+                continue
             src = store[g.source_chunk][g.source_index]
             assert src == plan.positions[g.index], "given frame from a different timeline position"
             values[g.index] = src
@@ -49,12 +52,13 @@ def simulate(schedule, total_known_at: int | None, total: int) -> tuple[list[int
                                          ("interp", {"gap": 0, "anchor": 2}),
                                          ("interp", {"gap": 2, "anchor": 0})])
 @pytest.mark.parametrize("chunk", [4, 5, 8])
-def test_timeline_exact_for_any_length(strategy, kw, chunk):
+@pytest.mark.parametrize("scene", [False, True])
+def test_timeline_exact_for_any_length(strategy, kw, chunk, scene):
     clock = MediaClock()
     for n_frames in list(range(1, 160)) + [997, 1501]:
         total = clock.latents_for_frames(n_frames)
         for known_at in (None, total):  # known up front, or only when the audio runs out
-            sched = make_schedule(strategy, chunk, **kw)
+            sched = make_schedule(strategy, chunk, scene=scene, **kw)
             published, kinds, max_store = simulate(sched, known_at, total)
             # Past the end the last chunk is full-size and trimmed: the pipeline drops positions >= total.
             kept = [p for p in published if p < total]
@@ -95,3 +99,15 @@ def test_bad_schedule_config():
         make_schedule("nope", 4)
     with pytest.raises(ConfigError):
         make_schedule("interp", 2, anchor=1)
+
+
+def test_scene_frame_only_in_chunks_made_from_the_reference():
+    for strategy in ("prefix", "interp", "causal"):
+        sched = make_schedule(strategy, 6, scene=True)
+        for _ in range(8):
+            plan = sched.next_chunk(None)
+            scene = [g for g in plan.given if g.source_chunk == SCENE_CHUNK]
+            if strategy != "causal" and plan.kind in ("ref2v", "N"):
+                assert scene == [scene[0]] and scene[0].index == 0 and scene[0].source_index == 0
+            else:
+                assert not scene, plan

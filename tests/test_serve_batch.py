@@ -84,9 +84,11 @@ def test_stacked_references_are_exact_with_masked_padding(tiny):
             torch.testing.assert_close(both.velocity[i : i + 1], one.velocity, atol=1e-4, rtol=1e-4)
 
 
-def test_batched_sessions_equal_sessions_run_alone(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batched_sessions_equal_sessions_run_alone(tiny, overlap):
     """Three segments (image and video references, different speech and lengths, one joining
-    late) batched by the scheduler produce the frames each produces alone."""
+    late) batched by the scheduler produce the frames each produces alone; with the decode on
+    the scheduler's decode thread (overlap) as well."""
     image, video = _refs(tiny)
     refs, secs = [image, video, image], [1.7, 2.3, 1.1]
     alone = _segments(tiny, refs, secs)
@@ -94,7 +96,7 @@ def test_batched_sessions_equal_sessions_run_alone(tiny):
         while (rec := seg.plan()) is not None:
             seg.run_alone(rec)
     together = _segments(tiny, refs, secs)
-    sched = ChunkScheduler(tiny)
+    sched = ChunkScheduler(tiny, decode_overlap=overlap)
     batches = []
     step = 0
     while not all(seg.done for seg, _ in together):
@@ -108,6 +110,7 @@ def test_batched_sessions_equal_sessions_run_alone(tiny):
         batches.append(len(items))
         sched.run_items(items)
         step += 1
+    sched.stop()  # waits for the decode thread
     assert max(batches) == 3  # shapes differed (reference lengths, first vs later chunks)
     for (_, a), (_, b) in zip(alone, together):
         assert sorted(a.frames) == sorted(b.frames) and len(a.frames) > 20
@@ -126,4 +129,5 @@ def test_prepared_reference_round_trips_through_disk(tiny, tmp_path):
         for x, y in zip([*a.k, *a.v, a.motion, a.t_pos], [*b.k, *b.v, b.motion, b.t_pos]):
             assert torch.equal(x, y)
         assert (a.key_valid is None) == (b.key_valid is None)
+    assert torch.equal(video.scene_lr, back.scene_lr) and torch.equal(video.scene_motion, back.scene_motion)
     assert not list(tmp_path.glob("*.tmp"))

@@ -37,7 +37,7 @@ def dataset(tmp_path_factory) -> dict[str, Path]:
 
 def recipe(name: str, dataset: dict, **over: object) -> dict:
     sets = [f'data.shards="{dataset["shards"]}"', f'data.prepared="{dataset["prepared"]}"']
-    sets += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, str) else v}" for k, v in over.items()]
+    sets += [f"{k.replace('__', '.')}={json.dumps(v) if isinstance(v, (str, bool)) else v}" for k, v in over.items()]
     return load_recipe(RECIPES / f"{name}.toml", sets)
 
 
@@ -327,8 +327,11 @@ def test_human_losses_reach_the_dit(dataset, tmp_path):
     i, p0 = b["clips"][0], b["starts"][0]
     k = min(4, p0)
     ctx = task.data.latents(i, p0 - k, k)[None] if k else None
-    _, ident_gt = task.human(b["x0"][:1], b["x0"][:1], ctx, p0, task.data.wave_of(i))
-    assert float(ident_gt) < float(ident.detach())
+    wave = task.data.wave_of(i)
+    _, ident_gt = task.human(b["x0"][:1], b["x0"][:1], ctx, p0, wave)
+    noise = torch.randn(b["x0"][:1].shape, generator=torch.Generator().manual_seed(1))
+    _, ident_noise = task.human(noise, b["x0"][:1], ctx, p0, wave)
+    assert float(ident_gt) < float(ident_noise)  # the truth is nearer its identity than noise
     t.run()
     logs = [json.loads(ln) for ln in (tmp_path / "h" / "log.jsonl").read_text().splitlines()]
     assert all("human_sync" in r and "human_identity" in r for r in logs)  # p_human = 1
@@ -355,3 +358,66 @@ def test_train_script_runs_the_whole_chain(tmp_path):
     assert cfg["trained"]["dit"] == "runs/cfg-distill-tiny"
     assert (cfg["pipeline"]["audio_scale"], cfg["pipeline"]["ref_scale"]) == (3.0, 1.5)
     load_exported(tmp_path / "w")
+
+
+def test_vae_decoder_finetune_keeps_the_latent_space(trained, dataset, tmp_path):
+    """`vae.train_encoder = false` from a trained VAE: the encoder (so every prepared latent and
+    every DiT trained on them) is bit-identical afterwards, the decoder moved, its loss went
+    down, and the frozen half has no optimizer state."""
+    over = dict(FAST["vae-tiny"], train__steps=12, train__checkpoint_every=100, vae__train_encoder=False,
+                init__vae=str(trained["vae-tiny"]))
+    t = run("vae-tiny", dataset, tmp_path / "dec", **over)
+    from avatarstream.train.trainer import net_weights
+
+    start = net_weights(str(trained["vae-tiny"]), "vae")
+    now = t.task.nets["vae"].state_dict()
+    enc = [k for k in start if k.startswith(("encoder.", "quant_conv."))]
+    dec = [k for k in start if k.startswith(("decoder.", "post_quant_conv."))]
+    assert enc and dec
+    assert all(torch.equal(start[k], now[k]) for k in enc)
+    assert any(not torch.equal(start[k], now[k]) for k in dec)
+    assert not any(".encoder." in k or ".quant_conv." in k for k in t.opt.params)
+
+
+def test_ref2v_windows_are_given_the_scene_frame(dataset):
+    """a2v ref2v mode with first_frame: frame 0 is given (the driving scene image the engine
+    gives its first chunk), half of those windows from a clip's first latent; without it, none."""
+    from avatarstream.train.tasks import make_task
+
+    for first in (True, False):
+        r = recipe("a2v-tiny", dataset, a2v__first_frame=first, a2v__p_ref2v=1.0, a2v__p_prefix=0.0,
+                   a2v__p_interp=0.0, a2v__p_clip_start=1.0, train__batch=3)
+        task = make_task(r, torch.device("cpu"))
+        b = task.batch(torch.Generator().manual_seed(0))
+        if first:
+            assert b["given"][:, 0].all() and not b["given"][:, 1:].any()
+            assert b["starts"] == [0, 0, 0]
+        else:
+            assert not b["given"].any()
+
+
+def test_export_takes_the_finetuned_decoder(trained, dataset, tmp_path):
+    """export(a2v run, decoder fine-tune run started from the prepared file's VAE): the bundle's
+    encoder is the prepared VAE's, its decoder the fine-tune's; a fine-tune of another VAE is
+    refused (its latent space is not the DiT's)."""
+    from safetensors.torch import save_file
+
+    from avatarstream.errors import InputError
+    from avatarstream.train.export import export, load_exported
+
+    prepared_vae = PreparedData(dataset["prepared"]).vae_state
+    save_file(prepared_vae, str(tmp_path / "prep-vae.safetensors"))
+    over = dict(FAST["vae-tiny"], train__steps=4, train__checkpoint_every=100, vae__train_encoder=False)
+    t = run("vae-tiny", dataset, tmp_path / "dec", init__vae=str(tmp_path / "prep-vae.safetensors"), **over)
+    export([trained["a2v-tiny"], tmp_path / "dec"], tmp_path / "out", dtype="fp32")
+    vae = load_exported(tmp_path / "out")["vae"].state_dict()
+    tuned = t.ema
+    for k, v in vae.items():
+        if k.startswith(("encoder.", "quant_conv.")):
+            assert torch.equal(v, prepared_vae[k].float()), k
+        elif f"vae.{k}" in tuned:
+            assert torch.equal(v, tuned[f"vae.{k}"]), k
+    assert any(not torch.equal(vae[k], prepared_vae[k].float()) for k in vae if k.startswith("decoder."))
+    run("vae-tiny", dataset, tmp_path / "other", init__vae=str(trained["vae-tiny"]), **over)
+    with pytest.raises(InputError, match="frozen encoder"):
+        export([trained["a2v-tiny"], tmp_path / "other"], tmp_path / "out2")

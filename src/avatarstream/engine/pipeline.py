@@ -74,6 +74,9 @@ class PipelineConfig:
     adaptive_sink: bool = True  # causal: Adaptive Attention Sink (first generated frame as sink)
     rolling_rope: bool = True  # causal: the sink's RoPE position moves with the window
     decode_overlap: bool = True  # VAE decode + publish on a thread of its own (bit-identical video)
+    # prefix/interp: chunks made from the reference are given the scene frame at frame 0 (the
+    # reference's first usable frame: Avatar V's driving first frame); False: reference only
+    scene_frame: bool = True
     seed: int = 0
     ref_t_position: float = -8.0
     fps: int = 25
@@ -190,7 +193,7 @@ class Pipeline:
     def _schedule(self) -> ContinuitySchedule:
         c = self.config
         return make_schedule(c.strategy, c.chunk, overlap=c.overlap, gap=c.interp_gap,
-                             anchor=c.interp_anchor, block=c.block)
+                             anchor=c.interp_anchor, block=c.block, scene=c.scene_frame)
 
     def context_stage(self) -> Stage:
         c = self.config
@@ -272,7 +275,8 @@ class Pipeline:
                 if progress is not None:
                     progress(state.frames_published, state.total_frames, time.perf_counter() - t_start)
                 if max_lead_s is not None and t_first_pub is not None:
-                    ahead = state.frames_published / c.fps - (time.perf_counter() - t_first_pub)
+                    # frames made so far, the ones the decode thread still works on included
+                    ahead = state.frames_emitted / c.fps - (time.perf_counter() - t_first_pub)
                     if ahead > max_lead_s:
                         time.sleep(ahead - max_lead_s)
             if worker is not None:

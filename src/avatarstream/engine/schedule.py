@@ -7,11 +7,14 @@ position: the frame-conditioning mask), which of its frames end up on the timeli
 chunks are published once it is done, and which stored chunks the rolling state may drop.
 
 Strategies:
-- `PrefixSchedule` (Avatar V, ref2v then prefix2v): chunk 0 is conditioned on the reference only;
-  every later chunk is given the previous chunk's last `overlap` latents and generates the rest.
-  The engine adds a global appearance anchor taken from chunk 0.
+- `PrefixSchedule` (Avatar V, ref2v then prefix2v): chunk 0 is conditioned on the reference and,
+  with `scene`, given the *scene frame* at its frame 0 (the driving first frame of Avatar V's
+  I2V setup: by default the reference's first usable frame, `SCENE_CHUNK` in the store); every
+  later chunk is given the previous chunk's last `overlap` latents and generates the rest. The
+  engine adds a global appearance anchor taken from chunk 0.
 - `InterpSchedule` (the N/I scheme of the streaming framework): N chunks are generated from the
-  reference alone; an I chunk is generated only after both neighbours exist, given the last frame
+  reference alone (with `scene`: each given the scene frame at its frame 0, which only the first
+  N chunk emits); an I chunk is generated only after both neighbours exist, given the last frame
   of the previous N chunk and an early frame (index `anchor`) of the next one; it fills the gap
   between them and replaces the next N chunk's frames before the anchor. Order:
   N0 N1 I0 N2 I1 N3 I2 ... The anchors' own predictions in the I chunk are dropped.
@@ -31,6 +34,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from avatarstream.errors import ConfigError
+
+
+SCENE_CHUNK = -1  # source_chunk of the scene frame (ChunkStore.set_scene), never released
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class PrefixSchedule:
 
     chunk: int
     overlap: int = 2
+    scene: bool = False
     name: str = "prefix"
     uses_appearance_anchor: bool = True
     _next_id: int = field(default=0, init=False)
@@ -115,6 +122,7 @@ class PrefixSchedule:
                 id=cid,
                 kind="ref2v",
                 positions=tuple(range(length)),
+                given=(GivenFrame(0, SCENE_CHUNK, 0),) if self.scene else (),
                 emit=(0, length),
                 publish=(cid,),
                 keep=tuple(range(max(0, length - self.overlap), length)),
@@ -152,6 +160,7 @@ class InterpSchedule:
     chunk: int
     gap: int = 1
     anchor: int = 1
+    scene: bool = False
     name: str = "interp"
     uses_appearance_anchor: bool = False
     _next_id: int = field(default=0, init=False)
@@ -174,6 +183,9 @@ class InterpSchedule:
             return self._pending_n.positions[-1] + 1
         return self._published + self.gap + self.chunk
 
+    def _scene(self) -> tuple[GivenFrame, ...]:
+        return (GivenFrame(0, SCENE_CHUNK, 0),) if self.scene else ()
+
     def _new_id(self) -> int:
         cid = self._next_id
         self._next_id += 1
@@ -185,8 +197,8 @@ class InterpSchedule:
         if self._last_n is None:
             length = self.chunk if total is None else min(self.chunk, total)
             cid = self._new_id()
-            plan = ChunkPlan(cid, "N", tuple(range(length)), emit=(0, length), publish=(cid,),
-                             keep=(length - 1,))
+            plan = ChunkPlan(cid, "N", tuple(range(length)), given=self._scene(), emit=(0, length),
+                             publish=(cid,), keep=(length - 1,))
             self._last_n = plan
             self._published = length
             return plan
@@ -208,7 +220,7 @@ class InterpSchedule:
             length = self.chunk if remaining is None else min(self.chunk, remaining - self.gap)
             start = p + self.gap
             cid = self._new_id()
-            plan = ChunkPlan(cid, "N", tuple(range(start, start + length)),
+            plan = ChunkPlan(cid, "N", tuple(range(start, start + length)), given=self._scene(),
                              emit=(self.anchor, length),
                              keep=tuple(range(self.anchor, length)))
             self._pending_n = plan
@@ -278,11 +290,13 @@ STRATEGIES = ("prefix", "interp", "causal")
 
 
 def make_schedule(strategy: str, chunk: int, *, overlap: int = 2, gap: int = 1,
-                  anchor: int = 1, block: int = 3) -> ContinuitySchedule:
+                  anchor: int = 1, block: int = 3, scene: bool = False) -> ContinuitySchedule:
+    """scene: prefix and interp chunks generated from the reference are given the scene frame
+    (the causal student keeps its reference as attention sink instead)."""
     if strategy == "causal":
         return CausalSchedule(block=block)
     if strategy == "prefix":
-        return PrefixSchedule(chunk=chunk, overlap=overlap)
+        return PrefixSchedule(chunk=chunk, overlap=overlap, scene=scene)
     if strategy == "interp":
-        return InterpSchedule(chunk=chunk, gap=gap, anchor=anchor)
+        return InterpSchedule(chunk=chunk, gap=gap, anchor=anchor, scene=scene)
     raise ConfigError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from avatarstream.engine.schedule import ChunkPlan
+from avatarstream.engine.schedule import SCENE_CHUNK, ChunkPlan
 
 
 @dataclass
@@ -38,11 +38,23 @@ class ChunkStore:
         )
         self._emitted[plan.id] = hr
 
+    def set_scene(self, lr: torch.Tensor, motion: torch.Tensor) -> None:
+        """The scene frame (lr [B,C,h,w], motion [B,Dm]): what a schedule's `SCENE_CHUNK` frames
+        are given. Kept for the whole session (one latent frame)."""
+        self._kept[SCENE_CHUNK] = _Kept(lr={0: lr.clone()}, motion={0: motion.clone()})
+
+    def scene(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        k = self._kept.get(SCENE_CHUNK)
+        return None if k is None else (k.lr[0], k.motion[0])
+
     def given(self, plan: ChunkPlan) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(chunk frame index, clean latent [B,C,h,w], motion [B,Dm]) for every given frame."""
         out = []
         for g in plan.given:
-            kept = self._kept[g.source_chunk]
+            kept = self._kept.get(g.source_chunk)
+            if kept is None:
+                raise RuntimeError(f"chunk {plan.id} is given a frame of chunk {g.source_chunk}, "
+                                   "which is not in the store (no scene frame set?)")
             out.append((g.index, kept.lr[g.source_index], kept.motion[g.source_index]))
         return out
 
@@ -81,6 +93,8 @@ class SessionState:
     causal: Any = None  # CausalDenoiser (causal strategy): per-step rolling KV caches + sink
     total_frames: int | None = None  # video frames of the whole output, once the audio has ended
     frames_published: int = 0
+    frames_emitted: int = 0  # handed to decode & publish: ahead of frames_published by the chunk
+    # the decode thread is working on (what pacing against the media clock counts)
     chunks_done: int = 0
 
     def rolling_nbytes(self) -> int:

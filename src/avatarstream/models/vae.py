@@ -78,6 +78,11 @@ class VAEConfig:
     patch_size: int = 1
     mid_attention: bool = True
     eps: float = 1e-6
+    # parameter-free residual shortcuts around every resampler and the latent bottleneck
+    # (space/time folded into channels and averaged down; channels duplicated and unfolded up),
+    # as in DC-AE and the Wan 2.2 VAE: the convolutions learn a residual over a path that
+    # already carries the low frequencies (see `_fold_down` / `_unfold_up`)
+    shortcuts: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.channels)
@@ -100,7 +105,7 @@ class VAEConfig:
         level: for 64×64 test video. Decode cost ≈ 0.055 GFLOP per output frame at 64×64
         (the same widths without the patch, (16, 16, 32, 32) over 4 levels: ≈ 0.21 GFLOP)."""
         return VAEConfig(z_channels=4, channels=(16, 16, 32), res_blocks=(1, 1, 1),
-                         temporal_down=(True, True), patch_size=2)
+                         temporal_down=(True, True), patch_size=2, shortcuts=True)
 
     @staticmethod
     def small() -> "VAEConfig":
@@ -118,7 +123,7 @@ class VAEConfig:
         FLOP count suggests.
         """
         return VAEConfig(z_channels=16, channels=(16, 32, 64), res_blocks=(0, 1, 1),
-                         temporal_down=(True, True), patch_size=2)
+                         temporal_down=(True, True), patch_size=2, shortcuts=True)
 
 
 # -- layers -----------------------------------------------------------------------------------------
@@ -245,6 +250,25 @@ class MidBlock(nn.Module):
         return self.resnets[1](x, cache)
 
 
+def _fold_down(x: torch.Tensor, cout: int) -> torch.Tensor:
+    """Spatial shortcut of a downsampler: x [N, C, H, W] -> pixel unshuffle ×2 -> [N, 4C, H/2, W/2]
+    -> mean over groups of 4C/cout consecutive channels -> [N, cout, H/2, W/2]."""
+    y = F.pixel_unshuffle(x, 2)
+    n, c, h, w = y.shape
+    return y.reshape(n, cout, c // cout, h, w).mean(dim=2)
+
+
+def _unfold_up(x: torch.Tensor, cout: int) -> torch.Tensor:
+    """Spatial shortcut of an upsampler: x [N, C, h, w] -> channels repeated to 4·cout -> pixel
+    shuffle ×2 -> [N, cout, 2h, 2w]."""
+    return F.pixel_shuffle(x.repeat_interleave(4 * cout // x.shape[1], dim=1), 2)
+
+
+def _channel_mean(x: torch.Tensor, cout: int) -> torch.Tensor:
+    """[B, C, ...] -> [B, cout, ...]: mean over groups of C/cout consecutive channels."""
+    return x.reshape(x.shape[0], cout, x.shape[1] // cout, *x.shape[2:]).mean(dim=2)
+
+
 class Downsample(nn.Module):
     """Spatial stride-2 conv per frame, then (temporal) first frame alone + conv k=3, stride 2.
 
@@ -253,15 +277,22 @@ class Downsample(nn.Module):
     The cache keeps the last input frame of the time conv.
     """
 
-    def __init__(self, cin: int, cout: int, temporal: bool) -> None:
+    def __init__(self, cin: int, cout: int, temporal: bool, shortcut: bool = False) -> None:
         super().__init__()
         self.temporal = temporal
+        self.shortcut = shortcut
+        if shortcut and (4 * cin) % cout:
+            raise ValueError(f"a downsampler shortcut needs cout | 4·cin (got {cin} -> {cout})")
         self.resample = nn.Conv2d(cin, cout, 3, stride=2, padding=1)
         self.time_conv = nn.Conv3d(cout, cout, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
         self.cache_key = ""
 
     def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        x = _per_frame(self.resample, x)
+        cout = self.resample.out_channels
+        if self.shortcut:
+            x = _per_frame(lambda f: self.resample(f) + _fold_down(f, cout), x)
+        else:
+            x = _per_frame(self.resample, x)
         if self.time_conv is None:
             return x
         prev = cache.get(self.cache_key) if cache is not None else None
@@ -281,6 +312,9 @@ class Downsample(nn.Module):
         tc = self.time_conv
         y = (conv3d(xin, tc.weight, tc.bias, tc.stride, tc.padding) if xin.shape[2] >= 3
              else xin[:, :, :0])
+        if self.shortcut and y.shape[2]:
+            # output frame j covers the two new input frames of its window (x_{2j+1}, x_{2j+2})
+            y = y + 0.5 * (xin[:, :, 1::2][:, :, :y.shape[2]] + xin[:, :, 2::2][:, :, :y.shape[2]])
         return torch.cat([x[:, :, :1], y], dim=2) if first else y
 
 
@@ -292,9 +326,12 @@ class Upsample(nn.Module):
     chunk of a stream / the whole sequence, 2T on later chunks.
     """
 
-    def __init__(self, cin: int, cout: int, temporal: bool) -> None:
+    def __init__(self, cin: int, cout: int, temporal: bool, shortcut: bool = False) -> None:
         super().__init__()
         self.temporal = temporal
+        self.shortcut = shortcut
+        if shortcut and (4 * cout) % cin:
+            raise ValueError(f"an upsampler shortcut needs cin | 4·cout (got {cin} -> {cout})")
         self.time_conv = CausalConv3d(cin, 2 * cin, (3, 1, 1)) if temporal else None
         self.resample = nn.Conv2d(cin, cout, 3, padding=1)
 
@@ -304,21 +341,32 @@ class Upsample(nn.Module):
             b, c, t, h, w = x.shape
             y = self.time_conv(x, cache)  # [B, 2C, T, h, w]
             y = y.reshape(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
+            if self.shortcut:
+                y = y + x.repeat_interleave(2, dim=2)  # each frame's two frames start as copies
             x = torch.cat([x[:, :, :1], y[:, :, 2:]], dim=2) if first else y
+        cout = self.resample.out_channels
+        if self.shortcut:
+            return _per_frame(lambda f: self.resample(F.interpolate(f, scale_factor=2.0, mode="nearest"))
+                              + _unfold_up(f, cout), x)
         return _per_frame(lambda f: self.resample(F.interpolate(f, scale_factor=2.0,
                                                                 mode="nearest")), x)
 
 
 class Head(nn.Module):
-    """norm, SiLU, causal 3×3×3 conv. x [B, cin, T, H, W] -> [B, cout, T, H, W]."""
+    """norm, SiLU, causal 3×3×3 conv (+ with `skip`, a 1×1×1 conv of the un-normalised input:
+    the per-position norm keeps only each feature vector's direction, and the decoder's output
+    pixels should not have to be rebuilt from directions alone). x [B, cin, T, H, W] ->
+    [B, cout, T, H, W]."""
 
-    def __init__(self, cin: int, cout: int, eps: float) -> None:
+    def __init__(self, cin: int, cout: int, eps: float, skip: bool = False) -> None:
         super().__init__()
         self.norm = RMSNorm(cin, eps)
         self.conv = CausalConv3d(cin, cout, 3)
+        self.skip = CausalConv3d(cin, cout, 1) if skip else None
 
     def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        return self.conv(F.silu(self.norm(x)), cache)
+        out = self.conv(F.silu(self.norm(x)), cache)
+        return out if self.skip is None else out + self.skip(x, cache)
 
 
 class DownBlock(nn.Module):
@@ -354,10 +402,11 @@ class Encoder(nn.Module):
         super().__init__()
         ch, eps, n = cfg.channels, cfg.eps, cfg.levels
         self.patch_size = cfg.patch_size
+        self.shortcuts = cfg.shortcuts
         self.conv_in = CausalConv3d(3 * cfg.patch_size ** 2, ch[0], 3)
         blocks, cin = [], ch[0]
         for i in range(n):
-            down = Downsample(ch[i], ch[i], cfg.temporal_down[i]) if i < n - 1 else None
+            down = Downsample(ch[i], ch[i], cfg.temporal_down[i], cfg.shortcuts) if i < n - 1 else None
             n_res = cfg.res_blocks[i]
             if n_res == 0 and cin != ch[i]:
                 raise ValueError("a level without resnets must keep the width of the previous one")
@@ -373,7 +422,12 @@ class Encoder(nn.Module):
         x = self.conv_in(x, cache)
         for blk in self.down_blocks:
             x = blk(x, cache)
-        return self.head(self.mid_block(x, cache), cache)
+        x = self.mid_block(x, cache)
+        out = self.head(x, cache)
+        if self.shortcuts:  # the mean starts as the channel mean of the last features
+            z = out.shape[1] // 2
+            out = torch.cat([out[:, :z] + _channel_mean(x, z), out[:, z:]], dim=1)
+        return out
 
 
 class Decoder(nn.Module):
@@ -384,21 +438,25 @@ class Decoder(nn.Module):
         super().__init__()
         ch, eps, n = cfg.channels, cfg.eps, cfg.levels
         self.patch_size = cfg.patch_size
+        self.shortcuts = cfg.shortcuts
         self.conv_in = CausalConv3d(cfg.z_channels, ch[-1], 3)
         self.mid_block = MidBlock(ch[-1], cfg.mid_attention, eps)
         blocks, cin = [], ch[-1]
         for j in range(n):
             lvl = n - 1 - j
-            up = Upsample(ch[lvl], ch[lvl - 1], cfg.temporal_down[lvl - 1]) if lvl > 0 else None
+            up = Upsample(ch[lvl], ch[lvl - 1], cfg.temporal_down[lvl - 1], cfg.shortcuts) if lvl > 0 else None
             if cfg.res_blocks[lvl] == 0 and cin != ch[lvl]:
                 raise ValueError("a level without resnets must keep the width of the previous one")
             blocks.append(UpBlock(cin, ch[lvl], cfg.res_blocks[lvl], up, eps))
             cin = ch[lvl - 1] if lvl > 0 else ch[0]
         self.up_blocks = nn.ModuleList(blocks)
-        self.head = Head(ch[0], 3 * cfg.patch_size ** 2, eps)
+        self.head = Head(ch[0], 3 * cfg.patch_size ** 2, eps, skip=cfg.shortcuts)
 
     def forward(self, z: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        x = self.mid_block(self.conv_in(z, cache), cache)
+        x = self.conv_in(z, cache)
+        if self.shortcuts:  # the latent, channels repeated, under the first convolution
+            x = x + z.repeat_interleave(x.shape[1] // z.shape[1], dim=1)
+        x = self.mid_block(x, cache)
         for blk in self.up_blocks:
             x = blk(x, cache)
         x = self.head(x, cache)

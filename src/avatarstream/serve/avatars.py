@@ -161,7 +161,10 @@ class AvatarStore:
         path = self._prepared_path(avatar.id, models.name)
         with self._prepare_lock:
             if path.is_file():
-                return load_prepared(path)
+                try:
+                    return load_prepared(path)
+                except ValueError:
+                    pass  # written by an older version: encode again below
             prepared = prepare_reference(models, self.frames(avatar))
             self.encodes += 1
             save_prepared(prepared, path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -147,12 +148,48 @@ def _cache_key(cache: ConvCache) -> tuple:
     return tuple(sorted((k, tuple(v.shape[1:])) for k, v in cache.frames.items()))
 
 
-def finish_batch(items: Sequence[Item]) -> None:
-    """The stages after SR: appearance anchor (per session), then DecodePublishStage batched.
+@dataclass
+class DecodeJob:
+    """The VAE decode and publication of one round's chunks (`finish_prepare` made it): groups of
+    (segment, refined latents `[1, C, E, H/8, W/8]`, first frame, frame count) that share a
+    conv-cache layout, decoded one call per group. Touches only the segments' VAE conv caches,
+    `frames_published` and outlets, so it may run on a thread of its own while the next round is
+    denoised (`ChunkScheduler(decode_overlap=True)`), one job after the other."""
 
-    Chunks that publish exactly themselves and share a conv-cache layout are decoded in one
-    call; any other chunk (the interp schedule's I/N pairs) is decoded on its own."""
-    groups: dict[tuple, list[tuple[ChunkRecord, TalkSegment, torch.Tensor]]] = defaultdict(list)
+    groups: list[list[tuple[TalkSegment, torch.Tensor, int, int]]] = field(default_factory=list)
+
+    @property
+    def segments(self) -> list[TalkSegment]:
+        return [seg for g in self.groups for seg, _, _, _ in g]
+
+    def run(self) -> None:
+        for group in self.groups:
+            seg0 = group[0][0]
+            vae = seg0.rest[-1].vae
+            cache = ConvCache("decode")
+            for key in seg0.state.vae_cache.frames:
+                cache.frames[key] = torch.cat([s.state.vae_cache.frames[key] for s, _, _, _ in group], 0)
+            frames = vae.call("decode_step", torch.cat([hr for _, hr, _, _ in group], 0), cache)
+            for i, (seg, _, start, n) in enumerate(group):
+                st = seg.state
+                for key, val in cache.frames.items():
+                    st.vae_cache.frames[key] = val[i : i + 1].clone()
+                st.vae_cache.bind("decode")
+                st.vae_cache.chunks += 1
+                n = max(0, min(n, frames.shape[2]))
+                if n:
+                    stage = seg.rest[-1]
+                    stage.publisher.put_video(to_uint8_frames(frames[i, :, :n]), start, stage.fps)
+                    st.frames_published = start + n
+
+
+def finish_prepare(items: Sequence[Item]) -> DecodeJob:
+    """The stages after SR, up to the decode: appearance anchor (per session), then what the
+    round's decode needs, taken from each session's rolling state here, in the caller's thread
+    (the store is the denoising thread's). Chunks that publish exactly themselves go into the
+    returned job, grouped by conv-cache layout; any other chunk (the interp schedule's I/N
+    pairs) is decoded and published here, on its own."""
+    groups: dict[tuple, list[tuple[TalkSegment, torch.Tensor, int, int]]] = defaultdict(list)
     for rec, seg in items:
         for stage in seg.rest[2:-1]:  # the appearance anchor
             stage(rec, seg.state)
@@ -160,26 +197,21 @@ def finish_batch(items: Sequence[Item]) -> None:
             seg.rest[-1](rec, seg.state)
             seg._release(rec)
             continue
-        hr = seg.state.store.take_emitted(rec.plan.id)  # [1, C, E, H/8, W/8]
-        groups[(tuple(hr.shape), _cache_key(seg.state.vae_cache))].append((rec, seg, hr))
-    for group in groups.values():
-        vae = group[0][1].rest[-1].vae
-        cache = ConvCache("decode")
-        for key in group[0][1].state.vae_cache.frames:
-            cache.frames[key] = torch.cat([s.state.vae_cache.frames[key] for _, s, _ in group], 0)
-        frames = vae.call("decode_step", torch.cat([hr for _, _, hr in group], 0), cache)
-        for i, (rec, seg, _) in enumerate(group):
-            st = seg.state
-            for key, val in cache.frames.items():
-                st.vae_cache.frames[key] = val[i : i + 1].clone()
-            st.vae_cache.bind("decode")
-            st.vae_cache.chunks += 1
-            start = st.frames_published
-            n = frames.shape[2]
-            if st.total_frames is not None:
-                n = max(0, min(n, st.total_frames - start))
-            if n:
-                stage = seg.rest[-1]
-                stage.publisher.put_video(to_uint8_frames(frames[i, :, :n]), start, stage.fps)
-                st.frames_published += n
-            seg._release(rec)
+        st = seg.state
+        hr = st.store.take_emitted(rec.plan.id)  # [1, C, E, H/8, W/8]
+        key = (tuple(hr.shape), _cache_key(st.vae_cache), st.frames_emitted == 0)
+        # causal VAE: the stream's first latent decodes to one frame, every later one to four
+        start = st.frames_emitted
+        n = 4 * hr.shape[2] - (3 if start == 0 else 0)
+        if st.total_frames is not None:
+            n = max(0, min(n, st.total_frames - start))
+        st.frames_emitted = start + n
+        groups[key].append((seg, hr, start, n))
+        seg._release(rec)
+    return DecodeJob(list(groups.values()))
+
+
+def finish_batch(items: Sequence[Item]) -> None:
+    """The stages after SR: appearance anchor (per session), then DecodePublishStage batched
+    (`finish_prepare`, then its decode job run here)."""
+    finish_prepare(items).run()

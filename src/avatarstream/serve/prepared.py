@@ -7,8 +7,10 @@ that avatar, in this process or after a restart, loads it instead of encoding ag
 tokens of the prompt are cheap and model-global, so they are not part of it.
 
 File layout (tensor names): `{dit,refiner}.k.{layer}`, `{dit,refiner}.v.{layer}`,
-`{dit,refiner}.motion`, `{dit,refiner}.t_pos`, optionally `{dit,refiner}.key_valid`; the metadata
-holds the model name, the layer count and the tokens per frame.
+`{dit,refiner}.motion`, `{dit,refiner}.t_pos`, optionally `{dit,refiner}.key_valid`, and the scene
+frame `scene.lr` [1, C, h, w] / `scene.motion` [1, Dm] (format 2); the metadata holds the model
+name, the layer count and the tokens per frame. A file of an older format is not loaded (the
+avatar store encodes the reference again).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from avatarstream.engine.pipeline import ModelSet
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stages.reference import ReferenceStage
 
-FORMAT = "avatarstream-prepared-reference-1"
+FORMAT = "avatarstream-prepared-reference-2"
 
 
 @dataclass
@@ -32,9 +34,12 @@ class PreparedReference:
     model: str
     dit: ReferenceCache
     refiner: ReferenceCache
+    scene_lr: torch.Tensor  # [1, C, h, w] the scene frame (ReferenceStage)
+    scene_motion: torch.Tensor  # [1, Dm]
 
     def nbytes(self) -> int:
-        return self.dit.nbytes() + self.refiner.nbytes()
+        return (self.dit.nbytes() + self.refiner.nbytes() + self.scene_lr.numel() * 4
+                + self.scene_motion.numel() * 4)
 
 
 def prepare_reference(models: ModelSet, frames: torch.Tensor) -> PreparedReference:
@@ -46,7 +51,9 @@ def prepare_reference(models: ModelSet, frames: torch.Tensor) -> PreparedReferen
     with torch.inference_mode():
         ReferenceStage(models.dit, models.refiner, models.vae, models.text, lr_size=c.lr_size,
                        ref_t_position=c.ref_t_position).run(state, frames, "")
-    return PreparedReference(models.name, state.dit_reference, state.refiner_reference)
+    scene = state.store.scene()
+    assert scene is not None  # ReferenceStage always sets it
+    return PreparedReference(models.name, state.dit_reference, state.refiner_reference, *scene)
 
 
 def _flatten(prefix: str, cache: ReferenceCache, out: dict[str, torch.Tensor]) -> None:
@@ -78,6 +85,8 @@ def save_prepared(ref: PreparedReference, path: str | Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     _flatten("dit", ref.dit, tensors)
     _flatten("refiner", ref.refiner, tensors)
+    tensors["scene.lr"] = ref.scene_lr.float().contiguous()
+    tensors["scene.motion"] = ref.scene_motion.float().contiguous()
     meta = {"format": FORMAT, "model": ref.model,
             "dit_layers": str(len(ref.dit.k)), "dit_tokens": str(ref.dit.tokens_per_frame),
             "refiner_layers": str(len(ref.refiner.k)),
@@ -99,4 +108,5 @@ def load_prepared(path: str | Path) -> PreparedReference:
         meta["model"],
         _unflatten("dit", t, int(meta["dit_layers"]), int(meta["dit_tokens"])),
         _unflatten("refiner", t, int(meta["refiner_layers"]), int(meta["refiner_tokens"])),
+        t["scene.lr"], t["scene.motion"],
     )

@@ -145,6 +145,7 @@ class TalkSegment:
         out = _Shifted(outlet, start_frame, start_frame * spf)
         st = SessionState()
         st.dit_reference, st.refiner_reference = prepared.dit, prepared.refiner
+        st.store.set_scene(prepared.scene_lr, prepared.scene_motion)
         st.text, st.text_mask = text, text_mask
         span = max(c.chunk, c.interp_gap + c.interp_anchor + 2, c.block + 1)
         st.audio = AudioContext(
@@ -199,5 +200,6 @@ class TalkSegment:
     def _release(self, rec: ChunkRecord) -> None:
         self.state.store.release(rec.plan.release)
         self.state.chunks_done += 1
-        if self.state.total_frames is not None and self.frames_published >= self.state.total_frames:
+        # frames handed to the decode (published, or about to be by a decode thread)
+        if self.state.total_frames is not None and self.state.frames_emitted >= self.state.total_frames:
             self.done = True

@@ -98,6 +98,9 @@ class LiveSession:
         self._out = LiveQueueSink(c.max_out_items)
         self._sinks: list[Sink] = [self._out, *sinks]
         self._sinks_lock = threading.Lock()
+        # sinks are written by the scheduler thread (audio, idle frames) and by its decode
+        # thread (talk frames): one writer at a time
+        self._write_lock = threading.Lock()
         self._own_scheduler = scheduler is None
         self.scheduler = scheduler or ChunkScheduler(models)
         self.on_event = on_event
@@ -237,16 +240,18 @@ class LiveSession:
 
     def put_video(self, frames: np.ndarray, start_frame: int, fps: int) -> None:
         chunk = VideoChunk(frames=frames, start_frame=start_frame, fps=fps)
-        for s in self._sinks_now():
-            s.write_video(chunk)
-        self.frame = max(self.frame, chunk.end_frame)
+        with self._write_lock:
+            for s in self._sinks_now():
+                s.write_video(chunk)
+            self.frame = max(self.frame, chunk.end_frame)
 
     def put_audio(self, samples: np.ndarray, start_sample: int, sample_rate: int) -> None:
         chunk = AudioChunk(samples=np.asarray(samples, np.float32), start_sample=start_sample,
                            sample_rate=sample_rate)
-        for s in self._sinks_now():
-            s.write_audio(chunk)
-        self.sample = max(self.sample, chunk.end_sample)
+        with self._write_lock:
+            for s in self._sinks_now():
+                s.write_audio(chunk)
+            self.sample = max(self.sample, chunk.end_sample)
 
     async def frames(self, poll_s: float = 0.1) -> AsyncIterator[TimedFrame]:
         """Timed video frames and audio chunks, in publishing order, until the session ends."""
@@ -292,8 +297,10 @@ class LiveSession:
                 return None
         seg = self.segment
         assert seg is not None
-        if self.frame / self.fps - wall_media > c.lead_s:  # far enough ahead: wait
-            self.due = self.origin + self.frame / self.fps - c.lead_s
+        # frames made so far: published, or handed to the scheduler's decode thread
+        made = max(self.frame, seg.start_frame + seg.state.frames_emitted)
+        if made / self.fps - wall_media > c.lead_s:  # far enough ahead: wait
+            self.due = self.origin + made / self.fps - c.lead_s
             return None
         try:
             rec = seg.plan()

@@ -2,7 +2,8 @@
 registry can load.
 
 For each of the five networks the weights come from the first run (in the order given) that
-*trained* it (its EMA weights); a network no run trained is taken from a run that held it frozen
+*trained* it (its EMA weights; the VAE from the prepared file the latent runs trained on, with
+its decoder from a decoder fine-tuning run if one is given); a network no run trained is taken from a run that held it frozen
 (e.g. the audio encoder copied into an `sr` run), else it keeps its deterministic initial weights
 and is listed under `untrained` in config.json. All runs must share one model size preset.
 
@@ -81,6 +82,7 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     frozen: dict[str, str] = {}
     untrained: list[str] = []
     vae_state, vae_src = _prepared_vae(runs, prepared)
+    vae_state, vae_src = _finetuned_decoder(runs, vae_state, vae_src)
     for i, name in enumerate(sorted(nets)):
         net = nets[name]
         if name == "vae" and vae_state is not None:
@@ -128,6 +130,29 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     return {"out": str(out), "model": model, "bytes": total, "trained": trained,
             "frozen_copies": frozen, "untrained": untrained}
+
+
+def _finetuned_decoder(runs: list[tuple[Path, dict, dict]], vae_state: dict | None,
+                       vae_src: str | None) -> tuple[dict | None, str | None]:
+    """A `vae` run with `train_encoder = false` (decoder fine-tuning) among the runs: its EMA VAE
+    replaces the prepared file's, after checking its frozen encoder is that VAE's encoder (to
+    bf16 storage rounding, 1e-2): otherwise its latent space is not the one the DiT learned."""
+    for rd, side, t in runs:
+        rec = json.loads((rd / "recipe.json").read_text()) if (rd / "recipe.json").is_file() else {}
+        if rec.get("stage") != "vae" or rec.get("vae", {}).get("train_encoder", True):
+            continue
+        sd = {k[len("ema.vae."):]: v for k, v in t.items() if k.startswith("ema.vae.")}
+        if vae_state is not None:
+            for k, v in vae_state.items():
+                if k.startswith(("encoder.", "quant_conv.")) and not torch.allclose(
+                        sd[k].float(), v.float(), rtol=1e-2, atol=1e-2):
+                    raise InputError(f"{rd}: its frozen encoder is not the VAE of {vae_src} ({k} "
+                                     "differs); fine-tune the decoder from that VAE (init.vae)")
+        for k, v in t.items():  # buffers come from the model copy
+            if k.startswith("model.vae.") and k[len("model.vae."):] not in sd:
+                sd[k[len("model.vae."):]] = v
+        return sd, f"{vae_src} (encoder) + {rd} (decoder)" if vae_src else str(rd)
+    return vae_state, vae_src
 
 
 def _run_recipe(runs: list[tuple[Path, dict, dict]], side: dict | None) -> dict[str, Any]:

@@ -101,6 +101,10 @@ class Task:
     def after_init(self) -> None:
         """Called by the trainer after `[init]` weights are loaded (before any checkpoint)."""
 
+    def freeze(self) -> None:
+        """Called by the trainer after it set requires_grad on the trainable nets: a task may
+        freeze parts of them (their parameters then get no optimizer state)."""
+
     def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
@@ -128,6 +132,15 @@ class VAETask(Task):
 
     stage = "vae"
     trainable = ("vae",)
+
+    def freeze(self) -> None:
+        """`train_encoder = false` (decoder fine-tuning): the encoder and quant_conv are frozen,
+        so the latent space, every prepared file and every DiT trained on it stay valid while
+        the decoder improves (start from a weights folder with `init.vae`)."""
+        if not self.cfg["train_encoder"]:
+            vae = self.nets["vae"]
+            vae.encoder.requires_grad_(False)
+            vae.quant_conv.requires_grad_(False)
 
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         super().__init__(recipe, device)
@@ -179,6 +192,7 @@ class VAETask(Task):
     def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         x, w, warm = self.sample(g)
         vae: CausalVAE = self.nets["vae"]
+        enc_grad = torch.enable_grad() if self.cfg["train_encoder"] else torch.no_grad()
         if warm:
             # fill the conv caches with the stream's context (no gradients), then train the window
             enc, dec = vae.new_cache("encode"), vae.new_cache("decode")
@@ -186,9 +200,11 @@ class VAETask(Task):
                 m0, lv0 = vae.encode_step(x[:, :, :warm], enc)
                 vae.decode_step(m0 + torch.exp(0.5 * lv0.float()) * self.randn(g, *m0.shape), dec, clamp=False)
             x, w = x[:, :, warm:], w[:, warm:]
-            mean, logvar = vae.encode_step(x, enc)
+            with enc_grad:
+                mean, logvar = vae.encode_step(x, enc)
         else:
-            mean, logvar = vae.encode(x)
+            with enc_grad:
+                mean, logvar = vae.encode(x)
         eps = self.randn(g, *mean.shape)
         z = mean + torch.exp(0.5 * logvar.float()) * eps
         rec = (vae.decode_step(z, dec, clamp=False) if warm else vae.decode(z, clamp=False)).float()
@@ -297,7 +313,9 @@ class A2VTask(_LatentTask):
     jointly).
 
     Per element: a window of `chunk` latent frames, σ ~ logit-normal(logit_mean, logit_std)
-    shared by the chunk's generated frames, a frame-conditioning mask (ref2v: none given;
+    shared by the chunk's generated frames, a frame-conditioning mask (ref2v: frame 0 given, the
+    driving scene image, when `first_frame` (else none), the window then starting at the clip's
+    first latent with p_clip_start;
     prefix2v: the first `overlap`; interpolation: first and last) whose given frames are clean
     (σ = 0) and excluded from the loss, a cross-scene reference (see `reference`), condition
     dropout for classifier-free guidance (audio tokens zeroed with p_drop_audio, every reference
@@ -345,7 +363,9 @@ class A2VTask(_LatentTask):
     def given_mask(self, g: torch.Generator) -> tuple[torch.Tensor, int]:
         mode = int(torch.multinomial(self.mode_p, 1, generator=g))
         m = torch.zeros(self.T, dtype=torch.bool)
-        if mode == 1:
+        if mode == 0 and self.cfg["first_frame"]:
+            m[0] = True  # the driving scene image (Avatar V's I2V first chunk)
+        elif mode == 1:
             m[: self.cfg["overlap"]] = True
         elif mode == 2:
             m[0] = m[-1] = True
@@ -360,11 +380,14 @@ class A2VTask(_LatentTask):
         clips, starts, x0, m0, given, refs, valids, ref_mot, cross = [], [], [], [], [], [], [], [], 0
         for _ in range(B):
             i, p0 = self.window(g)
+            gm, mode = self.given_mask(g)
+            if mode == 0 and c["first_frame"] and _rand(g) < c["p_clip_start"]:
+                p0 = 0  # the scene frame is then a one-image latent, as the engine encodes it
             clips.append(i)
             starts.append(p0)
             x0.append(self.data.latents(i, p0, T))
             m0.append(motion_descriptor(self.data.table(i), torch.arange(p0, p0 + T), self.motion_dim))
-            given.append(self.given_mask(g)[0])
+            given.append(gm)
             lat, valid, mot, cr = self.reference(g, i, hr=False, p_cross=c["p_cross_scene"])
             refs.append(lat)
             valids.append(valid)

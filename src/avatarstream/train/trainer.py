@@ -149,6 +149,7 @@ class Trainer:
             train = name in self.task.trainable
             net.train(train)
             net.requires_grad_(train)
+        self.task.freeze()
         self.named = [(f"{n}.{k}", p) for n in self.task.trainable
                       for k, p in self.task.nets[n].named_parameters()]
         self.opt = MuonAdamW(self.named, weight_decay=self.tr["weight_decay"], betas=tuple(self.tr["betas"]),
@@ -217,7 +218,8 @@ class Trainer:
     def _ema_update(self) -> None:
         d = min(self.tr["ema"], (1 + self.step) / (10 + self.step))
         for k, p in self.named:
-            self.ema[k].mul_(d).add_(p.detach().float(), alpha=1 - d)
+            if p.requires_grad:  # a frozen part keeps its exact weights (no rounding drift)
+                self.ema[k].mul_(d).add_(p.detach().float(), alpha=1 - d)
 
     def train_step(self) -> dict[str, float]:
         """One optimiser step at self.step; returns the logged values."""

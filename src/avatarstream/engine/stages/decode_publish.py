@@ -123,6 +123,10 @@ class DecodePublishStage(Stage):
     def run(self, rec: ChunkRecord, state: SessionState) -> None:
         for cid in rec.plan.publish:
             hr = state.store.take_emitted(cid)  # [1, C, E, H/8, W/8]
+            # causal VAE: the stream's first latent is one frame, every later one four
+            n = 4 * hr.shape[2] - (3 if state.frames_emitted == 0 else 0)
+            end = state.frames_emitted + n
+            state.frames_emitted = end if state.total_frames is None else min(end, state.total_frames)
             # the first frames are decoded here, with every core: time to first frame is not
             # held back by the next chunk's work; the worker takes over from the second chunk
             if self.worker is not None and state.frames_published > 0:

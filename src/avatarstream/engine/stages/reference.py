@@ -2,7 +2,8 @@
 
 Reference frames -> causal VAE latents at both resolutions -> per-layer reference K/V of the DiT
 and of the SR refiner (attention-level cache), with a validity mask that drops frames with no
-usable content; the text prompt -> text tokens. Nothing here runs again for later chunks.
+usable content; the scene frame (the first usable LR latent and its motion token) into the
+rolling store; the text prompt -> text tokens. Nothing here runs again for later chunks.
 """
 
 from __future__ import annotations
@@ -63,5 +64,9 @@ class ReferenceStage:
         t_pos = torch.full((r,), self.ref_t_position)
         state.dit_reference = self.dit.call("encode_reference", lr_lat, valid[None], t_pos)
         state.refiner_reference = self.refiner.call("encode_reference", hr_lat, valid[None], t_pos)
+        # the scene frame: the first usable reference latent (a one-image latent when that is
+        # frame 0) with its motion token, what ref2v / N chunks are given at their frame 0
+        j0 = int(valid.nonzero()[0])
+        state.store.set_scene(lr_lat[:, :, j0].float(), state.dit_reference.motion[:, 0].float())
         state.text, state.text_mask = self.text.call("encode", [prompt])
         self.seconds += time.perf_counter() - t0
