@@ -141,8 +141,12 @@ class _Finisher:
         self._q.put(job)
         return self._take_failed()
 
-    def flush(self) -> list[tuple[BaseException, list[TalkSegment]]]:
+    def wait(self) -> None:
         """Wait until every submitted job is done."""
+        self._q.join()
+
+    def flush(self) -> list[tuple[BaseException, list[TalkSegment]]]:
+        """Wait until every submitted job is done; the failures since the last call."""
         self._q.join()
         return self._take_failed()
 
@@ -307,6 +311,12 @@ class ChunkScheduler:
                 return None
             self._jobs.rotate(-1)  # round robin between jobs
             return self._jobs[-1]
+
+    def wait_decoded(self) -> None:
+        """Wait for the decode thread to finish what it was given (its failures stay pending
+        for the next `flush`): what a session calls before publishing anything after a segment."""
+        if self._finisher is not None:
+            self._finisher.wait()
 
     def flush(self) -> None:
         """Wait for the decode thread to finish what it was given; sessions whose decode failed

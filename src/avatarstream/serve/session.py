@@ -356,6 +356,7 @@ class LiveSession:
         self.segment = None
         if seg is None:
             return
+        self.scheduler.wait_decoded()  # its last frames are out before anything that follows
         self._align_audio()
         self._emit("speech_ended", media_s=round(self.frame / self.fps, 4), frame=self.frame,
                    segment=self.segments, interrupted=seg.audio.interrupted,
