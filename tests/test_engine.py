@@ -376,3 +376,38 @@ def test_scene_frame_is_given_to_chunks_made_from_the_reference(strategy):
     assert sigmas0[:steps] == [0.0] * steps  # chunk 0: frame 0 given at every step
     if strategy == "interp":
         assert sigmas0.count(0.0) >= steps * n_from_ref
+
+
+def test_scene_image_replaces_the_reference_first_frame(one_thread):
+    """`scene`: the first chunk's frame 0 is the VAE latent of the scene image (area-resized to
+    the DiT's resolution), not the reference's; without it, the reference's first frame."""
+    import torch.nn.functional as F
+
+    from avatarstream.registry import load_model
+
+    models = load_model("tiny-random")
+    c = models.config
+    first = []
+    forward = models.dit.model.forward
+
+    def spy(x, sigma, cond, ref):  # noqa: ANN001
+        if not first:
+            first.append(x[:, :, 0].clone())
+        return forward(x, sigma, cond, ref)
+
+    models.dit.model.forward = spy
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randint(0, 255, (1, 3, c.hr_size, c.hr_size), dtype=torch.uint8, generator=g)
+    scene = torch.randint(0, 255, (1, 3, c.hr_size, c.hr_size), dtype=torch.uint8, generator=g)
+
+    def lat0(img: torch.Tensor) -> torch.Tensor:
+        v = img.permute(1, 0, 2, 3).float().unsqueeze(0) / 127.5 - 1.0
+        v = F.interpolate(v, size=(1, c.lr_size, c.lr_size), mode="area")
+        with torch.inference_mode():
+            return models.vae.call("encode", v)[0][:, :, 0].float()
+
+    for given, want in ((None, ref), (scene, scene)):
+        first.clear()
+        Pipeline(models).run(ref, audio_chunks(0.5), [ListSink()], scene=given)
+        torch.testing.assert_close(first[0].float(), lat0(want), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(lat0(ref), lat0(scene))

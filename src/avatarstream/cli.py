@@ -19,6 +19,9 @@ log = logging.getLogger("avatarstream")
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="reference + speech -> video of the person speaking (streamed to the file)")
     p.add_argument("--reference", required=True, help="video (mp4/mov/webm/mkv) or image (png/jpg/webp)")
+    p.add_argument("--scene", metavar="IMAGE",
+                   help="start from this picture instead of the reference's first frame (the person "
+                        "of the reference in another scene; prefix/interp)")
     p.add_argument("--audio", required=True, help="speech: wav/mp3/flac/ogg/m4a, any rate, mono or stereo")
     p.add_argument("--out", required=True, help="output .mp4 (fragmented: playable while it is written)")
     p.add_argument("--model", default=None,
@@ -123,6 +126,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec_cfg = MODELS[args.model].pipeline()
     overrides = _overrides(spec_cfg, args)
     reference = load_reference(args.reference, size=spec_cfg.hr_size, max_frames=spec_cfg.ref_pixel_frames)
+    scene = None
+    if args.scene is not None:
+        if args.workers is not None or (args.strategy or spec_cfg.strategy) == "causal":
+            raise ConfigError("--scene is for the prefix and interp strategies (the causal student "
+                              "starts from its reference sink)")
+        scene = load_reference(args.scene, size=spec_cfg.hr_size, max_frames=1, what="scene image").frames[:1]
     reader = AudioReader(args.audio, sample_rate=spec_cfg.sample_rate, max_seconds=args.max_audio_seconds)
     if args.workers is not None:
         return _generate_tpp(args, overrides, out)
@@ -163,7 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ok = False
     try:
         summary = pipeline.run(reference.frames, iter(reader), sinks, prompt=args.prompt,
-                               max_audio_seconds=args.max_audio_seconds, progress=progress)
+                               max_audio_seconds=args.max_audio_seconds, progress=progress, scene=scene)
         ok = True
     finally:
         if bar is not None:

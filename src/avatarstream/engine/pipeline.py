@@ -220,8 +220,10 @@ class Pipeline:
         max_audio_seconds: float | None = None,
         max_lead_s: float | None = None,
         progress: Callable[[int, int | None, float], None] | None = None,
+        scene: torch.Tensor | None = None,
     ) -> RunSummary:
-        """Generate until the audio ends. reference: [F, 3, H, W] uint8 at hr_size.
+        """Generate until the audio ends. reference: [F, 3, H, W] uint8 at hr_size; scene:
+        [1, 3, H, W] uint8, the first frame when it is not the reference's (`ReferenceStage`).
 
         audio: an iterator of 16 kHz mono float32 chunks (blocks while a live source waits).
         """
@@ -236,7 +238,7 @@ class Pipeline:
         try:
             with torch.inference_mode():
                 ReferenceStage(m.dit, m.refiner, m.vae, m.text, lr_size=c.lr_size,
-                               ref_t_position=c.ref_t_position).run(state, reference, prompt)
+                               ref_t_position=c.ref_t_position).run(state, reference, prompt, scene)
             t_ref = time.perf_counter()
             for mod in m.modules():
                 mod.reset_stats()

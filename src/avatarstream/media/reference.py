@@ -70,29 +70,29 @@ def usable_frame_count(n: int) -> int:
     return 1 + 4 * ((n - 1) // 4)
 
 
-def load_reference(path: str | Path, *, size: int, max_frames: int) -> Reference:
+def load_reference(path: str | Path, *, size: int, max_frames: int, what: str = "reference") -> Reference:
     """Read a reference video (mp4/mov/webm/mkv) or image (png/jpg/webp) into square frames.
 
-    Raises InputError naming the file when it is missing, empty, unreadable, or has no decodable
-    video frame.
+    Raises InputError naming the file (as `what`: "reference", "scene image") when it is
+    missing, empty, unreadable, or has no decodable video frame.
     """
     if size < 1 or max_frames < 1:
         raise ValueError(f"size and max_frames must be positive (got {size}, {max_frames})")
     p = Path(path)
     if not p.exists():
-        raise InputError(f"reference {p} not found; give a video (mp4/mov/webm/mkv) or an image "
+        raise InputError(f"{what} {p} not found; give a video (mp4/mov/webm/mkv) or an image "
                          "(png/jpg/webp) of the person")
     if p.is_dir():
-        raise InputError(f"reference {p} is a folder; give a video or image file")
+        raise InputError(f"{what} {p} is a folder; give a video or image file")
     if p.stat().st_size == 0:
-        raise InputError(f"reference {p} is empty (0 bytes)")
+        raise InputError(f"{what} {p} is empty (0 bytes)")
     try:
         container = av.open(str(p))
     except (av.FFmpegError, OSError, ValueError) as e:
-        raise InputError(f"reference {p} is not a readable video or image ({_reason(e)})") from e
+        raise InputError(f"{what} {p} is not a readable video or image ({_reason(e)})") from e
     with container:
         if not container.streams.video:
-            raise InputError(f"reference {p} has no video or image in it")
+            raise InputError(f"{what} {p} has no video or image in it")
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         fmt = container.format.name
@@ -110,11 +110,11 @@ def load_reference(path: str | Path, *, size: int, max_frames: int) -> Reference
                     break
         except (av.FFmpegError, OSError, ValueError) as e:
             if not frames:
-                raise InputError(f"reference {p} could not be decoded ({_reason(e)}); it is "
+                raise InputError(f"{what} {p} could not be decoded ({_reason(e)}); it is "
                                  "corrupt or not a video/image") from e
             # a damaged tail: keep the frames decoded before it
     if not frames:
-        raise InputError(f"reference {p} has no decodable video frame")
+        raise InputError(f"{what} {p} has no decodable video frame")
     frames = frames[:usable_frame_count(len(frames))]
     return Reference(frames=torch.stack(frames), fps=fps, source_size=source_size,
                      is_image=is_image)  # [F, 3, size, size]

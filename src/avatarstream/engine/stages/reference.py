@@ -43,8 +43,11 @@ class ReferenceStage:
         rest = frame_valid[1:].reshape(-1, s).all(dim=1) if frame_valid.numel() > 1 else first[:0]
         return torch.cat([first, rest])
 
-    def run(self, state: SessionState, frames: torch.Tensor, prompt: str = "") -> None:
-        """frames: [F, 3, H, W] uint8 reference frames at the output (HR) resolution."""
+    def run(self, state: SessionState, frames: torch.Tensor, prompt: str = "",
+            scene: torch.Tensor | None = None) -> None:
+        """frames: [F, 3, H, W] uint8 reference frames at the output (HR) resolution; scene:
+        [1, 3, H, W] uint8, the first frame to start from when it is not the reference's (the
+        person from the reference placed in another picture: Avatar V's cross-scene setting)."""
         import time
 
         t0 = time.perf_counter()
@@ -66,7 +69,16 @@ class ReferenceStage:
         state.refiner_reference = self.refiner.call("encode_reference", hr_lat, valid[None], t_pos)
         # the scene frame: the first usable reference latent (a one-image latent when that is
         # frame 0) with its motion token, what ref2v / N chunks are given at their frame 0
-        j0 = int(valid.nonzero()[0])
-        state.store.set_scene(lr_lat[:, :, j0].float(), state.dit_reference.motion[:, 0].float())
+        if scene is None:
+            j0 = int(valid.nonzero()[0])
+            state.store.set_scene(lr_lat[:, :, j0].float(), state.dit_reference.motion[:, 0].float())
+        else:
+            sv = scene[:1].permute(1, 0, 2, 3).float().unsqueeze(0) / 127.5 - 1.0  # [1, 3, 1, H, W]
+            if not bool(frame_validity(sv[0]).all()):
+                raise InputError("the scene image is blank; give a picture to start from")
+            sv = F.interpolate(sv, size=(1, self.lr_size, self.lr_size), mode="area")
+            s_lat, _ = self.vae.call("encode", sv)  # [1, C, 1, h, w]
+            motion = self.dit.call("extract_motion", s_lat)  # [1, 1, Dm]
+            state.store.set_scene(s_lat[:, :, 0].float(), motion[:, 0].float())
         state.text, state.text_mask = self.text.call("encode", [prompt])
         self.seconds += time.perf_counter() - t0
