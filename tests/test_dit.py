@@ -249,3 +249,55 @@ def test_bench_cache_quick() -> None:
     out = cache.run(argparse.Namespace(quick=True))
     assert {"speedup", "cached_ms", "uncached_ms"} <= set(out)
     assert out["cached_ms"] > 0 and out["uncached_ms"] > 0
+
+
+# -- scene anchor --------------------------------------------------------------------------------
+
+
+def test_anchor_input_sparse_equals_dense_and_matters() -> None:
+    dit = _dit()
+    x, sigma, ref, tp = _inputs()
+    cond = _cond()
+    cond.anchor = torch.randn(B, 4, 4, 4, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = dit.encode_reference(ref, INVALID, tp)
+        out = dit(x, sigma, cond, cache)
+        dense = dit.forward_dense(x, sigma, cond, ref, INVALID, tp)
+        assert _diff(out.velocity, dense.velocity) <= TOL
+        assert _diff(out.motion_velocity, dense.motion_velocity) <= TOL
+        # every generated frame sees the anchor; no anchor is an all-zero anchor
+        none = dit(x, sigma, _cond(), cache)
+        zero = _cond()
+        zero.anchor = torch.zeros(B, 4, 4, 4)
+        zero_out = dit(x, sigma, zero, cache)
+    for f in range(T):
+        assert _diff(out.velocity[:, :, f], none.velocity[:, :, f]) > 1e-4
+    # a zero anchor adds only the embedding's bias; without the bias it is no anchor at all
+    with torch.no_grad():
+        dit.anchor_embedding.bias.zero_()
+        assert _diff(dit(x, sigma, zero, cache).velocity, dit(x, sigma, _cond(), cache).velocity) <= TOL
+    assert _diff(zero_out.velocity, none.velocity) > 0  # the bias did act
+
+
+def test_zero_started_anchor_reproduces_the_model_without_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Weights trained before the anchor input load with it at zero (train.trainer.load_init):
+    the network then computes exactly what the anchor-less network computed."""
+    import dataclasses
+
+    from avatarstream.train.trainer import load_init
+
+    old = VideoRefDiT(dataclasses.replace(DiTConfig.tiny(), anchor=False)).eval()
+    old.init_random_(3)
+    new = VideoRefDiT(DiTConfig.tiny()).eval()
+    new.init_random_(9)
+    load_init(new, old.state_dict(), "test")
+    x, sigma, ref, tp = _inputs()
+    cond = _cond()
+    cond.anchor = torch.randn(B, 4, 4, 4)
+    with torch.no_grad():
+        a = old(x, sigma, cond, old.encode_reference(ref, None, tp))
+        b = new(x, sigma, cond, new.encode_reference(ref, None, tp))
+    assert _diff(a.velocity, b.velocity) == 0.0 and _diff(a.motion_velocity, b.motion_velocity) == 0.0
+    bad = {k: v for k, v in old.state_dict().items() if not k.startswith("head.")}
+    with pytest.raises(Exception, match="do not fit"):
+        load_init(new, bad, "test")

@@ -128,3 +128,24 @@ def test_benchmark_tiny_random_end_to_end(tmp_path, capsys):
     assert r["model"] == "tiny-random" and r["clips"] == 1 and r["fps"] > 0 and r["ttff_s"] > 0
     assert json.loads((out / "report.json").read_text())["model"] == "tiny-random"
     assert (out / "report.md").exists() and (out / "case0_mouth.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_vae_roundtrip_baseline_is_the_vae_of_the_named_model(tmp_path, capsys):
+    """`vae-roundtrip:NAME` scores the ground truth through NAME's VAE: an image of the right size
+    and length that differs from the ground truth (a random tiny VAE loses most of it)."""
+    import numpy as np
+
+    from avatarstream.eval.benchmark import Bench, load_subject, run_model
+
+    torch.set_num_threads(1)
+    models = load_subject("vae-roundtrip:tiny-random")
+    bench = Bench("heldout-voice", seconds=1.0, clips=1, seed=0)
+    case = bench.cases[0]
+    gen = run_model("vae-roundtrip:tiny-random", models, case)
+    assert gen.frames.shape == case.gt.shape[:1] + (64, 64, 3) and gen.frames.dtype == np.uint8
+    rc = main(["eval", "benchmark", "--model", "vae-roundtrip:tiny-random", "--split", "heldout-voice",
+               "--clips", "1", "--seconds", "1", "--out", str(tmp_path / "rt"), "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["model"] == "vae-roundtrip:tiny-random" and r["fps"] is None and r["psnr"] < 40
+    assert main(["eval", "benchmark", "--model", "vae-roundtrip:no-such", "--split", "heldout-voice"]) != 0

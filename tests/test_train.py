@@ -13,7 +13,7 @@ import torch
 from avatarstream.train.data import FRAME_KEYS, PreparedData, clip_bytes, motion_descriptor, prepare
 from avatarstream.train.optim import MuonAdamW, is_muon_param, newton_schulz
 from avatarstream.train.recipe import load_recipe
-from avatarstream.train.tasks import build_nets, init_net
+from avatarstream.train.tasks import build_nets
 from avatarstream.train.trainer import Trainer, list_checkpoints
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -29,8 +29,7 @@ def dataset(tmp_path_factory) -> dict[str, Path]:
 
     d = tmp_path_factory.mktemp("train-data")
     generate(DatasetConfig(identities=2, clips_per_identity=2, seconds=1.0, size=64), d / "synth")
-    vae = build_nets("tiny")["vae"]
-    init_net("vae", vae, 0)
+    vae = build_nets("tiny")["vae"].init_random_(0)  # random features, not the pooling init
     summary = prepare(d / "synth", vae, d / "prep.safetensors", lr_size=32, hr_size=64)
     return {"shards": d / "synth", "prepared": d / "prep.safetensors", "summary": summary, "dir": d}
 

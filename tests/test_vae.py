@@ -202,3 +202,21 @@ def test_fold_latent_stats_is_an_exact_change_of_coordinates():
         assert (streamed - ref).abs().max() < 1e-4
     with pytest.raises(ValueError):
         copy.deepcopy(vae).fold_latent_stats(mean, -std)
+
+
+def test_vae_for_keeps_the_variant_the_weights_were_trained_as():
+    """Weights trained before the parameter-free shortcuts (no decoder.head.skip) load into a
+    shortcut-free VAE; today's weights into the preset; a misfit is an error, not a silent load."""
+    import dataclasses
+
+    from avatarstream.train.tasks import vae_for
+
+    preset = VAEConfig.small()
+    assert preset.shortcuts
+    old = CausalVAE(dataclasses.replace(preset, shortcuts=False))
+    assert not vae_for("small", old.state_dict()).cfg.shortcuts
+    assert vae_for("small", CausalVAE(preset).state_dict()).cfg.shortcuts
+    sd = old.state_dict()
+    sd.pop(next(iter(sd)))
+    with pytest.raises(RuntimeError):
+        vae_for("small", sd)

@@ -81,11 +81,14 @@ class CausalDenoiser:
         cfg = dit.model.config
         self.caches = {j: RollingKVCache(cfg.depth, settings.kv_blocks) for j in self.steps}
         self.sink: SinkCache | None = None
+        self.anchor: torch.Tensor | None = None
         self.blocks_done = 0
 
     # -- the sink ----------------------------------------------------------------------------------
-    def start(self, reference: ReferenceCache) -> None:
-        """The reference (encoded at `ref_t_position`) is the first sink."""
+    def start(self, reference: ReferenceCache, anchor: torch.Tensor | None = None) -> None:
+        """The reference (encoded at `ref_t_position`) is the first sink; anchor `[B, C, h, w]`:
+        the scene frame's latent, the DiT's anchor input for every block (or None)."""
+        self.anchor = anchor
         cfg = self.dit.model.config
         self.sink = SinkCache(reference, self.settings.ref_t_position,
                               head_dim=cfg.dim // cfg.heads, theta=cfg.rope_theta)
@@ -128,7 +131,8 @@ class CausalDenoiser:
 
             def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
                 xs, ms = unpack(flat, x.shape, m.shape)
-                cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos)
+                cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
+                                    anchor=self.anchor)
                 sig = torch.full((b, tb), float(sigma))
                 out, kv = self.dit.run(causal_block_forward, self.dit.model, xs, sig, cond, sink, cache)
                 kv_out.append(kv)

@@ -9,6 +9,8 @@ scenes and sentences. Models:
 - `wrong-identity`: the ground truth's exact face states (mouth track, head motion, blinks: made
   from the target's speech *and* its talking style, so they cannot be re-drawn for another person)
   rendered on another held-out person in the same scene: ground-truth sync on the wrong face;
+- `vae-roundtrip:NAME`: the ground truth encoded and decoded by registry model NAME's VAE, the
+  ceiling of anything that model's generator can show (its decoder makes every output pixel);
 - any registry model: `Pipeline(load_model(name)).run(reference, audio chunks, [sink])`, with FPS
   and time-to-first-frame from the run (Live Avatar §10 definitions). `reference_mode="frame"`
   gives the model only the reference's first frame; FaceSim and style error are still measured
@@ -144,14 +146,20 @@ def check_run_options(model: str, reference_mode: str = "video", steps: int | No
         raise InputError(f"--reference-mode must be video or frame, got {reference_mode!r}")
     if steps is not None and not 1 <= steps <= MAX_STEPS:
         raise InputError(f"--steps must be between 1 and {MAX_STEPS}, got {steps}")
-    if model in BASELINES and (reference_mode != "video" or steps is not None):
+    if (model in BASELINES or model.startswith(ROUNDTRIP)) and (reference_mode != "video" or steps is not None):
         raise InputError(f"--reference-mode and --steps apply to registry models; {model} is a baseline")
 
 
+ROUNDTRIP = "vae-roundtrip:"
+
+
 def load_subject(model: str) -> Any:
-    """The ModelSet of a registry model; None for a baseline; unknown names are a ConfigError."""
+    """The ModelSet of a registry model (or of the model a `vae-roundtrip:NAME` baseline uses);
+    None for the other baselines; unknown names are a ConfigError."""
     if model in BASELINES:
         return None
+    if model.startswith(ROUNDTRIP):
+        model = model[len(ROUNDTRIP):]
     from avatarstream.registry import MODELS, available_models, load_model
 
     if model not in MODELS:
@@ -193,6 +201,24 @@ def generate(models: Any, reference: np.ndarray, audio: np.ndarray, frames: int,
                      extra={"rtf": summary.rtf, "frames_generated": summary.frames, "steps": cfg.steps})
 
 
+@torch.no_grad()
+def vae_roundtrip(models: Any, frames: np.ndarray) -> np.ndarray:
+    """frames `[F, S, S, 3]` uint8 -> the same through the model's causal VAE at its output size
+    (encoded whole, posterior mean decoded; frames past the last 1 + 4k repeat the last one)."""
+    from avatarstream.engine.stages.decode_publish import to_uint8_frames
+    from avatarstream.media.reference import square_resize
+
+    vae = models.vae.model
+    k = 1 + 4 * ((len(frames) - 1) // 4)
+    x = torch.stack([square_resize(f, models.config.hr_size) for f in frames[:k]])  # [k, 3, S, S]
+    x = x.permute(1, 0, 2, 3)[None].float() / 127.5 - 1.0
+    mean, _ = vae.encode(x)
+    out = to_uint8_frames(vae.decode(mean)[0])
+    if len(out) < len(frames):
+        out = np.concatenate([out, np.repeat(out[-1:], len(frames) - len(out), 0)])
+    return out
+
+
 def run_model(name: str, models: Any, case: Case, *, reference_mode: str = "video",
               steps: int | None = None) -> Generated:
     """The video `name` makes for `case`: a baseline's frames, or the model's run."""
@@ -204,6 +230,8 @@ def run_model(name: str, models: Any, case: Case, *, reference_mode: str = "vide
         return Generated(np.repeat(case.reference[:1], n, 0), nominal)
     if name == "wrong-identity":
         return Generated(case.wrong_identity_frames(), nominal)
+    if name.startswith(ROUNDTRIP):
+        return Generated(vae_roundtrip(models, case.gt), nominal)
     ref = case.reference[:1] if reference_mode == "frame" else case.reference
     return generate(models, ref, case.clip.audio, n, steps=steps)
 

@@ -189,7 +189,7 @@ def run_benchmark_cmd(args: argparse.Namespace) -> dict[str, Any]:
         raise InputError("eval benchmark needs --model NAME and --split heldout-identity|heldout-voice")
     steps = one_step_count(args.steps, "benchmark")
     seed = 0 if args.seed is None else args.seed
-    out = Path(args.out) if args.out else Path(f"eval-{args.model}-{args.split}-s{seed}")
+    out = Path(args.out) if args.out else Path(f"eval-{args.model.replace(':', '_')}-{args.split}-s{seed}")
     r = run_benchmark(args.model, args.split, seconds=10.0 if args.seconds is None else args.seconds,
                       clips=3 if args.clips is None else args.clips, seed=seed, out=out,
                       experts=load_experts(args.experts), plots=not args.no_plots,

@@ -60,12 +60,19 @@ class DiTConfig:
     freq_dim: int = 256
     eps: float = 1e-6
     rope_theta: float = 10000.0
+    # Scene-anchor input: the scene frame's clean latent is patch-embedded (its own zero-started
+    # embedding) and added to every generated frame's patch tokens, as image-to-video models feed
+    # their conditioning frame to every frame (Wan I2V, SVD concatenate it as channels). The
+    # network then learns what changes relative to the picture it animates (mouth, eyes, pose)
+    # instead of re-deriving the whole appearance through attention. Off for models trained
+    # without it (their config.json has no key).
+    anchor: bool = False
 
     @classmethod
     def tiny(cls) -> "DiTConfig":
         """Test size: latent 4x4 (32 px input), 2 layers of width 32."""
         return cls(in_channels=4, dim=32, depth=2, heads=2, ffn_dim=64, audio_dim=16,
-                   audio_tokens=6, text_dim=16, motion_dim=4)
+                   audio_tokens=6, text_dim=16, motion_dim=4, anchor=True)
 
     @classmethod
     def small(cls) -> "DiTConfig":
@@ -85,7 +92,7 @@ class DiTConfig:
         trains at ~2.2 s a step.
         """
         return cls(in_channels=16, dim=192, depth=6, heads=3, ffn_dim=768, audio_dim=128,
-                   audio_tokens=6, text_dim=128, motion_dim=16)
+                   audio_tokens=6, text_dim=128, motion_dim=16, anchor=True)
 
     @property
     def head_dim(self) -> int:
@@ -110,6 +117,7 @@ class DiTCondition:
     t_pos: torch.Tensor | None = None
     lr: torch.Tensor | None = None
     guidance: torch.Tensor | None = None
+    anchor: torch.Tensor | None = None
 
 
 @dataclass
@@ -316,6 +324,8 @@ class RefTransformer(nn.Module):
                 val = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
             else:
                 val = 0.02 * torch.randn(p.shape, generator=g)
+            if name.startswith("anchor_embedding."):
+                val = 0.1 * val  # an input trained models start at zero: present, not dominant
             p.copy_(val.to(p.dtype))
 
     # -- embeddings ------------------------------------------------------------------------------
@@ -335,6 +345,16 @@ class RefTransformer(nn.Module):
         p = self.patch_embedding(lat)  # [B, D, F, h', w']
         hp, wp = p.shape[-2:]
         return p.flatten(3).permute(0, 2, 3, 1), int(hp), int(wp)
+
+    def _gen_patches(self, xin: torch.Tensor, anchor: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+        """Generation patch tokens `[B, T, S, D]`, plus the scene anchor's embedding on every
+        frame where the model has an anchor input and one is given."""
+        patches, hp, wp = self._patches(xin)
+        embed = getattr(self, "anchor_embedding", None)
+        if embed is not None and anchor is not None:
+            a = embed(anchor.to(xin.dtype).unsqueeze(2))  # [B, D, 1, h', w']
+            patches = patches + a.flatten(3).permute(0, 2, 3, 1).to(patches.dtype)
+        return patches, hp, wp
 
     def _motion_tokens(self, motion: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """motion `[B, F, Dm]` + frame timestep embedding e `[B|1, F|1, D]` -> `[B, F, D]`."""
@@ -431,7 +451,7 @@ class RefTransformer(nn.Module):
         b, _, t = xin.shape[:3]
         sigma = self._sigma(sigma, b, t, xin.device)
         e, e6 = self._time(sigma, cond.guidance)
-        patches, hp, wp = self._patches(xin)
+        patches, hp, wp = self._gen_patches(xin, cond.anchor)
         mt = self._motion_tokens(cond.motion, e)
         x = torch.cat([patches, mt[:, :, None].to(patches.dtype)], dim=2)  # [B, T, P, D]
         text, tmask, audio, t_pos = self._context(cond, t)
@@ -475,7 +495,7 @@ class RefTransformer(nn.Module):
         e, e6 = self._time(sigma, cond.guidance)
         _, e06 = self._time(torch.zeros(1, 1, device=xin.device))
         e6_all = torch.cat([e06.expand(b, r, *e06.shape[2:]), e6], dim=1)  # [B, R+T, 6, D]
-        patches, hp, wp = self._patches(xin)
+        patches, hp, wp = self._gen_patches(xin, cond.anchor)
         mt = self._motion_tokens(cond.motion, e)
         xg = torch.cat([patches, mt[:, :, None].to(patches.dtype)], dim=2)  # [B, T, P, D]
         xr, _, _, _ = self._ref_tokens(ref_latents)  # [B, R, P, D]
@@ -514,6 +534,8 @@ class VideoRefDiT(RefTransformer):
         # applied when a condition carries `guidance`, so a plain A2V model never sees it.
         d = config.dim
         self.guidance_embedding = nn.Sequential(nn.Linear(config.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+        if config.anchor:  # registered after everything else, for the same reason
+            self.anchor_embedding = nn.Conv3d(config.in_channels, d, kernel_size=self.patch, stride=self.patch)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: DiTCondition,
                 ref: ReferenceCache | None) -> DiTOutput:

@@ -592,6 +592,64 @@ class CausalVAE(nn.Module):
                              f"got {tuple(z.shape)}")
 
     @torch.no_grad()
+    def init_pooling_(self, seed: int = 0) -> "CausalVAE":
+        """Training init of a VAE with `shortcuts`: random weights (`init_random_`), then every
+        residual branch's last layer scaled down and the few linear maps on the shortcut path set to
+        pass channels through, so that at step 0 the VAE *is* the parameter-free path: encode =
+        8×8 (and ×4 in time) average pooling of the RGB values into 3 of the latent channels,
+        decode = nearest-neighbour unpooling, plus small random branches (a tenth of their
+        random init) through which the detail is learned. Training then learns the detail on top of a
+        colour-correct reconstruction instead of from noise (measured on the small preset: the
+        random init starts at 1 dB crop PSNR, this one at the pooled image's)."""
+        self.init_random_(seed)
+        if not self.cfg.shortcuts:
+            raise ValueError("init_pooling_ needs a VAE with shortcuts")
+
+        def zero(*mods: nn.Module | None) -> None:
+            """Branch outputs at a tenth of their random init, not at zero: a chain of zero
+            layers passes no gradient, and the latent channels the pooled path leaves empty
+            would start dead (measured: PSNR flat for the first hundred steps)."""
+            for m in mods:
+                if m is not None:
+                    for p in m.parameters():
+                        p.mul_(0.1)
+
+        def pass_through(conv: nn.Module, tap: tuple[int, ...]) -> None:
+            """conv weight [out, in, *k] -> channel c to channel c (c < min(in, out)) at `tap`."""
+            conv.weight.zero_()
+            conv.bias.zero_()
+            n = min(conv.weight.shape[0], conv.weight.shape[1])
+            for c in range(n):
+                conv.weight[(c, c) + tap] = 1.0
+
+        for m in self.modules():
+            if isinstance(m, ResnetBlock):
+                zero(m.conv2)
+                if m.conv_shortcut is not None:
+                    pass_through(m.conv_shortcut, (0, 0, 0))
+            elif isinstance(m, FrameAttention):
+                zero(m.proj)
+            elif isinstance(m, (Downsample, Upsample)):
+                zero(m.resample, m.time_conv)
+        enc, dec = self.encoder, self.decoder
+        pass_through(enc.conv_in, (2, 1, 1))  # the current frame's pixel, causal kernel
+        zero(enc.head.conv, dec.conv_in, dec.head.conv)
+        pass_through(self.quant_conv, (0, 0, 0))
+        # a near-deterministic posterior to start with (std e^-4 ≈ 0.02 against latents of
+        # ≈ 0.2): unit noise would bury the pooled colours the latent starts with
+        self.quant_conv.bias[self.cfg.z_channels:] = -8.0
+        pass_through(self.post_quant_conv, (0, 0, 0))
+        # decoder head skip: the unpooled colour channels (R, G, B = channels 0, 1, 2 after the
+        # upsamplers' channel unfolding) to every sub-pixel of the pixel patch
+        skip = dec.head.skip
+        skip.weight.zero_()
+        skip.bias.zero_()
+        pp = self.cfg.patch_size ** 2
+        for c in range(3):
+            skip.weight[c * pp:(c + 1) * pp, c] = 1.0
+        return self
+
+    @torch.no_grad()
     def init_random_(self, seed: int = 0) -> "CausalVAE":
         """Deterministic random weights (same seed -> same weights) that keep activations O(1)
         and make every output depend on its inputs: conv/linear weights N(0, 1/fan_in) (residual

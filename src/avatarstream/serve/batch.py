@@ -22,7 +22,7 @@ import torch
 from avatarstream.cache.conv import ConvCache
 from avatarstream.cache.reference import ReferenceCache
 from avatarstream.engine.stage import ChunkRecord
-from avatarstream.engine.stages.audio_to_video import pack, unpack
+from avatarstream.engine.stages.audio_to_video import pack, scene_anchor, unpack
 from avatarstream.engine.stages.decode_publish import to_uint8_frames
 from avatarstream.models.dit import DiTCondition
 from avatarstream.samplers import sample_euler
@@ -91,6 +91,8 @@ def denoise_batch(items: Sequence[Item]) -> None:
     audio = torch.cat([rec.audio for rec, _ in items], 0)  # [B, T, A, Da]
     text, text_mask = _text(items)
     ref = stack_references([s.state.dit_reference for _, s in items])
+    anchors = [scene_anchor(s.state) for _, s in items]
+    anchor = None if any(a is None for a in anchors) else torch.cat(anchors, 0)  # [B, C, h, w]
     dit = a2v.dit
     guidance = None if a2v.guidance is None else a2v.guidance.expand(len(items), 2)  # [B, 2]
 
@@ -100,7 +102,7 @@ def denoise_batch(items: Sequence[Item]) -> None:
         ms_ = torch.where(gm, m_clean, ms_)
         sig = torch.full(given.shape, float(sigma)).masked_fill(given, 0.0)  # [B, T]
         cond = DiTCondition(motion=ms_, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
-                            guidance=guidance)
+                            guidance=guidance, anchor=anchor)
         out = dit.call("forward", xs_, sig, cond, ref)
         v = out.velocity.float().masked_fill(gx, 0.0)
         mv = out.motion_velocity.float().masked_fill(gm, 0.0)

@@ -105,6 +105,7 @@ class _CausalTask(_LatentTask):
             b["text"], b["text_mask"] = self.text_tokens(self.nets["text"], g, clips)
         b["ref_lat"] = torch.stack(refs).to(self.device)
         b["ref_valid"] = torch.stack(valids).to(self.device)
+        b["anchor"] = self.scene_anchor(clips)
         return b
 
     def sink_index(self) -> tuple[list[float], list[int]]:
@@ -135,7 +136,7 @@ class DiffusionForcingTask(_CausalTask):
         xs = (1 - s5) * b["x0"] + s5 * eps
         ms = (1 - sig[..., None]) * b["m0"] + sig[..., None] * eps_m
         cond = DiTCondition(motion=ms, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device))
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"])
         pos, index = self.sink_index()
         sinks = [(b["ref_lat"], b["ref_valid"], p) for p in pos]
         out = block_causal_forward(self.nets["dit"], xs, sig, cond, sinks, index, block=blk,
@@ -190,7 +191,7 @@ class SelfForcingDMDTask(_CausalTask):
         blk = self.cfg["block"]
         sl = slice(i * blk, (i + 1) * blk)
         return DiTCondition(motion=m, audio=b["audio"][:, sl], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(sl.start, sl.stop, dtype=torch.float32))
+                            t_pos=torch.arange(sl.start, sl.stop, dtype=torch.float32), anchor=b["anchor"])
 
     def _placed(self, sink: SinkCache, i: int) -> ReferenceCache:
         c = self.cfg
@@ -267,7 +268,7 @@ class SelfForcingDMDTask(_CausalTask):
         ref = net.encode_reference(b["ref_lat"], b["ref_valid"],
                                    torch.full((b["ref_lat"].shape[2],), float(self.cfg["ref_t_position"])))
         cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device))
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"])
         s = sigma[:, None].expand(-1, T)
         out = net(xt, s, cond, ref)
         s5 = sigma[:, None, None, None, None]
@@ -339,7 +340,8 @@ class SelfForcingDMDTask(_CausalTask):
         ref = fake.encode_reference(b["ref_lat"], b["ref_valid"],
                                     torch.full((b["ref_lat"].shape[2],), float(c["ref_t_position"])))
         cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(self.T, dtype=torch.float32, device=self.device))
+                            t_pos=torch.arange(self.T, dtype=torch.float32, device=self.device),
+                            anchor=b["anchor"])
         out = fake(xt, sigma[:, None].expand(-1, self.T), cond, ref)
         loss_f = (out.velocity.float() - (eps - x0)).square().mean()
         loss_fm = (out.motion_velocity.float() - (eps_m - m0)).square().mean()

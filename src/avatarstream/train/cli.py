@@ -100,16 +100,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _prepare(ns: argparse.Namespace) -> dict[str, Any]:
     from avatarstream.train.data import prepare
-    from avatarstream.train.tasks import GEOMETRY, build_nets, init_net
+    from avatarstream.train.tasks import GEOMETRY, build_nets, vae_for
     from avatarstream.train.trainer import net_weights, resolve_device
 
     device = resolve_device(ns.device)
     vae = build_nets(ns.model)["vae"]
     if ns.vae == "random":
-        init_net("vae", vae, 0)
+        vae.init_random_(0)  # random features (tests), not the pooling init of training
     else:
         try:
-            vae.load_state_dict(net_weights(ns.vae, "vae"))
+            vae = vae_for(ns.model, net_weights(ns.vae, "vae"))
         except RuntimeError as e:
             raise ConfigError(f"--vae {ns.vae}: not a {ns.model} VAE ({str(e).splitlines()[0]})") from None
     g = GEOMETRY[ns.model]

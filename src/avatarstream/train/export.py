@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from avatarstream.errors import InputError
-from avatarstream.train.tasks import NETS, build_nets, init_net
+from avatarstream.train.tasks import NETS, build_nets, init_net, vae_for
 from avatarstream.train.trainer import load_checkpoint
 
 
@@ -86,7 +86,7 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     for i, name in enumerate(sorted(nets)):
         net = nets[name]
         if name == "vae" and vae_state is not None:
-            net.load_state_dict(vae_state)
+            nets[name] = vae_for(model, vae_state)  # its variant is what config.json records
             trained[name] = vae_src
             continue
         src = next(((rd, t) for rd, side, t in runs if name in side["trainable"]), None)
@@ -202,9 +202,16 @@ def load_exported(folder: str | Path) -> dict[str, torch.nn.Module]:
     """The five networks of an exported folder, loaded strictly into the model classes."""
     from safetensors.torch import load_file
 
+    from avatarstream.models.audio import AudioEncoder
+    from avatarstream.models.dit import VideoRefDiT
+    from avatarstream.models.refiner import SRRefiner
+    from avatarstream.models.text import TextEncoder
+    from avatarstream.models.vae import CausalVAE
+
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    nets = build_nets(cfg["model"])
+    spec = model_spec(folder)  # the sizes the weights were exported with
+    nets = {"dit": VideoRefDiT(spec.dit()), "refiner": SRRefiner(spec.refiner()), "vae": CausalVAE(spec.vae()),
+            "audio": AudioEncoder(spec.audio()), "text": TextEncoder(spec.text())}
     for name, net in nets.items():
         net.load_state_dict(load_file(str(folder / f"{name}.safetensors")), strict=True)
     return nets

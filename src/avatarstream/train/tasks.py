@@ -16,6 +16,7 @@ Inference contract the tasks follow (engine/stages/*.py):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -43,14 +44,30 @@ def build_nets(model: str) -> dict[str, nn.Module]:
             "text": TextEncoder(pick(TextConfig))}
 
 
+def vae_for(model: str, state: dict[str, torch.Tensor]) -> CausalVAE:
+    """The preset's VAE in the variant `state` was trained as: weights from before the
+    parameter-free shortcuts (no `decoder.head.skip`) get `shortcuts = False`, so a trained
+    latent space stays usable when the preset moves on. Loads `state` strictly."""
+    cfg = getattr(VAEConfig, model)()
+    if cfg.shortcuts and not any(k.startswith("decoder.head.skip.") for k in state):
+        cfg = dataclasses.replace(cfg, shortcuts=False)
+    vae = CausalVAE(cfg)
+    vae.load_state_dict(state)
+    return vae
+
+
 def init_net(name: str, net: nn.Module, seed: int) -> None:
     """Starting weights of a trained-from-scratch network.
 
     Transformers: the registry's `init_random_` (fan-in scaled, no zero heads) with the output
     heads, AdaLN gates and the motion head scaled down ×0.1 (small initial updates keep the
-    residual stream stable). VAE / encoders: their `init_random_`.
+    residual stream stable). VAE with shortcuts: `init_pooling_` (the average-pooling
+    autoencoder). Other VAEs / encoders: their `init_random_`.
     """
-    net.init_random_(seed)
+    if name == "vae" and net.cfg.shortcuts:
+        net.init_pooling_(seed)  # starts as the average-pooling autoencoder (see CausalVAE)
+    else:
+        net.init_random_(seed)
     if name in ("dit", "refiner"):
         with torch.no_grad():
             for n, p in net.named_parameters():
@@ -277,6 +294,12 @@ class _LatentTask(Task):
         mot[:n] = motion_descriptor(self.data.table(j), torch.arange(n), self.motion_dim)
         return lat, valid, mot, cross
 
+    def scene_anchor(self, clips: list[int]) -> torch.Tensor:
+        """`[B, C, h, w]` LR latent of each clip's first frame: the scene frame the engine gives
+        the DiT as its anchor (a one-image latent, as the engine encodes the reference's first
+        frame or `--scene`), whatever window of the clip is trained."""
+        return torch.stack([self.data.latents(i, 0, 1)[:, 0] for i in clips]).to(self.device)
+
     def audio_tokens(self, audio: AudioEncoder, clips: list[int], starts: list[int], drop: torch.Tensor
                      ) -> torch.Tensor:
         """`[B, T, 4 + 2w, Da]` tokens of latent positions start..start+T−1 of each clip
@@ -353,8 +376,7 @@ class A2VTask(_LatentTask):
             if not self.data.vae_state:
                 raise ConfigError(f"{recipe['data']['prepared']}: no VAE inside (needed by human_sync/"
                                   "human_identity); re-run `avatarstream train prepare`")
-            vae = build_nets(recipe["model"])["vae"]
-            vae.load_state_dict(self.data.vae_state)
+            vae = vae_for(recipe["model"], self.data.vae_state)
             self.human = HumanLoss(vae.to(device), context=c["human_context"])
 
     def uses(self) -> tuple[str, ...]:
@@ -416,6 +438,7 @@ class A2VTask(_LatentTask):
         b["ref_valid"] = (torch.stack(valids) & ~drop_r[:, None]).to(self.device)
         b["ref_mot"] = torch.stack(ref_mot).to(self.device)
         b["weight"] = self.latent_weight(clips, starts, x0t.shape[-1])  # [B, 1, T, h, w]
+        b["anchor"] = self.scene_anchor(clips)
         return b
 
     def predict(self, dit: VideoRefDiT, b: dict[str, Any], *, audio: bool = True, ref: bool = True,  # type: ignore[no-untyped-def]
@@ -430,7 +453,8 @@ class A2VTask(_LatentTask):
             cache = dit.encode_reference(b["ref_lat"], b["ref_valid"], t_ref)
         tok = b["audio"] if audio else torch.zeros_like(b["audio"])
         cond = DiTCondition(motion=b["ms"], audio=tok, text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), guidance=guidance)
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), guidance=guidance,
+                            anchor=b["anchor"])
         return dit(b["xs"], b["sigma"], cond, cache), cache
 
     def flow_losses(self, b: dict[str, Any], v: torch.Tensor, mv: torch.Tensor, v_target: torch.Tensor,

@@ -33,7 +33,7 @@ from avatarstream.errors import ConfigError, InputError
 from avatarstream.hardware import resolve_bf16
 from avatarstream.train.optim import MuonAdamW, lr_at
 from avatarstream.train.recipe import fingerprint
-from avatarstream.train.tasks import Task, make_task
+from avatarstream.train.tasks import Task, make_task, vae_for
 
 CKPT_VERSION = 1
 
@@ -123,6 +123,24 @@ def net_weights(source: str | Path, net: str) -> dict[str, torch.Tensor]:
     raise InputError(f"cannot read {net} weights from {p} (a run folder, weights folder or .safetensors)")
 
 
+# inputs added to a network after weights were trained without them; they start at zero, so the
+# network computes what it computed before until training moves them
+NEW_INPUTS = ("anchor_embedding.",)
+
+
+def load_init(net: torch.nn.Module, sd: dict[str, torch.Tensor], what: str) -> None:
+    """Load starting weights; parameters under `NEW_INPUTS` that `sd` lacks are zeroed."""
+    missing, unexpected = net.load_state_dict(sd, strict=False)
+    bad = [k for k in missing if not k.startswith(NEW_INPUTS)]
+    if bad or unexpected:
+        raise InputError(f"{what}: weights do not fit the network (missing {bad[:4]}, "
+                         f"unexpected {list(unexpected)[:4]})")
+    with torch.no_grad():
+        params = dict(net.named_parameters())
+        for k in missing:
+            params[k].zero_()
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -142,7 +160,10 @@ class Trainer:
         self.task: Task = make_task(recipe, self.device)
         for net, src in recipe["init"].items():
             if src and net in self.task.nets:
-                self.task.nets[net].load_state_dict(net_weights(src, net))
+                sd = net_weights(src, net)
+                if net == "vae":  # the variant the weights were trained as (see vae_for)
+                    self.task.nets[net] = vae_for(recipe["model"], sd)
+                load_init(self.task.nets[net], sd, f"init.{net} = {src}")
         self.task.after_init()
         for name, net in self.task.nets.items():
             net.to(self.device)

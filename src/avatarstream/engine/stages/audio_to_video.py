@@ -22,6 +22,12 @@ def unpack(flat: torch.Tensor, x_shape: torch.Size, m_shape: torch.Size) -> tupl
     return flat[:, :n].reshape(x_shape), flat[:, n:].reshape(m_shape)
 
 
+def scene_anchor(state: SessionState) -> torch.Tensor | None:
+    """The scene frame's LR latent `[1, C, h, w]` (the DiT's anchor input), or None."""
+    scene = state.store.scene()
+    return None if scene is None else scene[0]
+
+
 class AudioToVideoStage(Stage):
     name = "audio_to_video"
     reads = ("given", "audio", "sigma_noise", "motion_noise")
@@ -51,6 +57,7 @@ class AudioToVideoStage(Stage):
         x_clean, m_clean = x[:, :, given].clone(), m[:, given].clone()
         t_pos = torch.arange(plan.length, dtype=torch.float32)
         audio, text, text_mask, ref = rec.audio, state.text, state.text_mask, state.dit_reference
+        anchor = scene_anchor(state)
 
         def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
             xs, ms = unpack(flat, x.shape, m.shape)
@@ -59,7 +66,7 @@ class AudioToVideoStage(Stage):
             sig = torch.full((1, plan.length), float(sigma))
             sig[:, given] = 0.0
             cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
-                                guidance=self.guidance)
+                                guidance=self.guidance, anchor=anchor)
             out = self.dit.call("forward", xs, sig, cond, ref)
             v, mv = out.velocity.float(), out.motion_velocity.float()
             v[:, :, given], mv[:, given] = 0.0, 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from avatarstream.engine.causal import CausalDenoiser, CausalSettings
+from avatarstream.engine.stages.audio_to_video import scene_anchor
 from avatarstream.engine.module import Module
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
@@ -44,7 +45,7 @@ def new_denoiser(dit: Module, state: SessionState, *, steps: int, shift: float,
     """The session's denoiser (all steps, or a TPP worker's `own_steps`), its sink the reference."""
     den = CausalDenoiser(dit, flow_sigmas(steps, shift), settings, steps=own_steps,
                          sampler=sampler, overshoot=overshoot, seed=seed)
-    den.start(state.dit_reference)
+    den.start(state.dit_reference, scene_anchor(state))
     return den
 
 
