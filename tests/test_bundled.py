@@ -1,12 +1,13 @@
-"""The committed trained checkpoint: it loads and runs (what `--model avatarstream-small-wip` gets)."""
+"""The bundled trained model: it loads and runs, and it is the default (what `make demo` gets)."""
 
 import pytest
 import torch
 
 
 def test_committed_checkpoint_loads_and_generates(one_thread):
-    """The committed small checkpoint (weights/avatarstream-small-wip) loads strictly into the
-    registry's classes and generates timed frames from the held-out example (1 s, 1 step)."""
+    """The bundled model (weights/avatarstream-small) loads strictly into the registry's classes,
+    is the default, and generates timed frames from the held-out example (1 s, 1 step) that look
+    like the reference (its scene anchor and trained VAE: not noise, not a flat field)."""
     import dataclasses
     from pathlib import Path
 
@@ -14,11 +15,12 @@ def test_committed_checkpoint_loads_and_generates(one_thread):
 
     from avatarstream.engine.pipeline import Pipeline
     from avatarstream.media.reference import load_reference
-    from avatarstream.registry import MODELS, load_model
+    from avatarstream.registry import BUNDLED, DEFAULT_MODEL, MODELS, load_model
 
-    if "avatarstream-small-wip" not in MODELS:
-        pytest.skip("no committed checkpoint")
-    models = load_model("avatarstream-small-wip")
+    if BUNDLED not in MODELS:
+        pytest.skip("no bundled model")
+    assert DEFAULT_MODEL == BUNDLED
+    models = load_model(BUNDLED)
     cfg = dataclasses.replace(models.config, steps=1)
     root = Path(__file__).resolve().parents[1]
     ref = load_reference(str(root / "examples" / "reference.png"), size=cfg.hr_size, max_frames=1).frames
@@ -37,3 +39,7 @@ def test_committed_checkpoint_loads_and_generates(one_thread):
     frames = np.concatenate(got)
     assert s.frames == frames.shape[0] == 25 and frames.shape[1:] == (256, 256, 3)
     assert frames.std() > 5  # an image, not a flat field
+    want = ref[0].permute(1, 2, 0).numpy().astype(np.float32)  # [256, 256, 3]
+    err = np.abs(frames.astype(np.float32) - want).mean(axis=(1, 2, 3))
+    other = np.abs(frames.astype(np.float32) - want[::-1]).mean(axis=(1, 2, 3))  # the picture upside down
+    assert err.max() < 25 and err.max() < 0.5 * other.min(), (err.max(), other.min())
