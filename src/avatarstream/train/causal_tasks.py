@@ -170,9 +170,10 @@ class SelfForcingDMDTask(_CausalTask):
 
     def after_init(self) -> None:
         if self.cfg["teacher"]:
-            from avatarstream.train.trainer import net_weights
+            from avatarstream.train.trainer import load_init, net_weights
 
-            self.nets["teacher"].load_state_dict(net_weights(self.cfg["teacher"], "dit"))
+            load_init(self.nets["teacher"], net_weights(self.cfg["teacher"], "dit"),
+                      f"dmd.teacher = {self.cfg['teacher']}")
         self.nets["fake"].load_state_dict(self.nets["teacher"].state_dict())
 
     # -- generator ---------------------------------------------------------------------------------

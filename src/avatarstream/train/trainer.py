@@ -161,9 +161,10 @@ class Trainer:
         for net, src in recipe["init"].items():
             if src and net in self.task.nets:
                 sd = net_weights(src, net)
-                if net == "vae":  # the variant the weights were trained as (see vae_for)
+                if net == "vae":  # the variant the weights were trained as (loaded: see vae_for)
                     self.task.nets[net] = vae_for(recipe["model"], sd)
-                load_init(self.task.nets[net], sd, f"init.{net} = {src}")
+                else:
+                    load_init(self.task.nets[net], sd, f"init.{net} = {src}")
         self.task.after_init()
         for name, net in self.task.nets.items():
             net.to(self.device)
