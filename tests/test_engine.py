@@ -344,11 +344,65 @@ def test_guidance_scales_reach_the_dit(one_thread):
 
     models.dit.model.forward = spy
     for scales in ((None, None), (2.5, 1.5)):
-        cfg = dataclasses.replace(models.config, audio_scale=scales[0], ref_scale=scales[1])
+        cfg = dataclasses.replace(models.config, audio_scale=scales[0], ref_scale=scales[1],
+                                  guidance_input=True)
         seen.clear()
         Pipeline(models, cfg).run(reference(), audio_chunks(1.0), [ListSink()])
         want = None if scales[0] is None else [[2.5, 1.5]]
         assert seen and all(g == want for g in seen), seen[:3]
+
+
+def test_guidance_of_a_model_not_distilled_runs_the_cfg_streams():
+    """`guided_velocity`: v(∅,∅) + s_r (v(∅,r) − v(∅,∅)) + s_a (v(a,r) − v(∅,r)) from the
+    dropout streams (zero audio tokens, no reference); reference scale 1 skips v(∅,∅); in the
+    pipeline a model without guidance input runs 2 DiT passes a step (3 with a reference scale),
+    never passing the scales as an input."""
+    import dataclasses
+
+    from avatarstream.engine.stages.audio_to_video import guided_velocity
+    from avatarstream.registry import load_model
+
+    calls = []
+
+    def velocity(tokens, reference):  # noqa: ANN001
+        calls.append((bool(tokens.abs().sum() > 0), reference is not None))
+        a = float(tokens.abs().sum() > 0)
+        r = float(reference is not None)
+        return torch.tensor([1.0 + 2.0 * a + 4.0 * r]), torch.tensor([a - r])
+
+    audio = torch.ones(1, 2, 3, 4)
+    full = velocity(audio, "ref")
+    calls.clear()
+    assert guided_velocity(velocity, audio, "ref", None) == full and calls == [(True, True)]
+    v, m = guided_velocity(velocity, audio, "ref", (3.0, 1.0))  # v(∅,r)=5, v(a,r)=7
+    assert float(v) == 5.0 + 3.0 * 2.0 and float(m) == -1.0 + 3.0 * 1.0
+    calls.clear()
+    v, _ = guided_velocity(velocity, audio, "ref", (3.0, 2.0))  # v(∅,∅)=1
+    assert float(v) == 1.0 + 2.0 * 4.0 + 3.0 * 2.0
+    assert calls == [(True, True), (False, True), (False, False)]
+
+    models = load_model("tiny-random")
+    seen = []
+    forward = models.dit.model.forward
+
+    def spy(x, sigma, cond, ref):  # noqa: ANN001
+        seen.append((cond.guidance is None, bool(cond.audio.abs().sum() > 0), ref is not None))
+        return forward(x, sigma, cond, ref)
+
+    models.dit.model.forward = spy
+    runs = {}
+    for scales in ((None, None), (2.5, None), (2.5, 1.5)):
+        seen.clear()
+        sink = ListSink()
+        cfg = dataclasses.replace(models.config, audio_scale=scales[0], ref_scale=scales[1])
+        Pipeline(models, cfg).run(reference(), audio_chunks(1.0), [sink])
+        runs[scales] = (list(seen), np.concatenate([c.frames for c in sink.video]))
+    plain, guided, both = (runs[k][0] for k in runs)
+    assert all(g for g, _, _ in plain + guided + both)  # the scales are never a DiT input here
+    assert len(guided) == 2 * len(plain) and len(both) == 3 * len(plain)
+    assert {s for s in guided} == {(True, True, True), (True, False, True)}
+    assert (True, False, False) in both
+    assert not np.array_equal(runs[(None, None)][1], runs[(2.5, None)][1])
 
 
 @pytest.mark.parametrize("strategy", ["prefix", "interp"])

@@ -84,11 +84,40 @@ def test_stacked_references_are_exact_with_masked_padding(tiny):
             torch.testing.assert_close(both.velocity[i : i + 1], one.velocity, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_batched_sessions_equal_sessions_run_alone(tiny, overlap):
+@pytest.fixture(scope="module")
+def tiny_direct():  # type: ignore[no-untyped-def]
+    """tiny-random as a direct model: the DiT at the output latents (4x4 patches, x0 skip), no
+    refiner."""
+    import dataclasses
+
+    from avatarstream import registry
+    from avatarstream.models.dit import DiTConfig
+
+    base = registry.MODELS["tiny-random"]
+    spec = dataclasses.replace(
+        base, name="tiny-direct-test", refiner=None,
+        dit=lambda: dataclasses.replace(DiTConfig.tiny(), patch=(1, 4, 4), x0_skip=True),
+        pipeline=lambda: dataclasses.replace(base.pipeline(), lr_size=base.pipeline().hr_size, steps=2))
+    registry.MODELS[spec.name] = spec
+    try:
+        return registry.load_model(spec.name)
+    finally:
+        del registry.MODELS[spec.name]
+
+
+@pytest.mark.parametrize("kind,overlap", [("plain", False), ("plain", True), ("direct", True),
+                                          ("guided", True)])
+def test_batched_sessions_equal_sessions_run_alone(tiny, tiny_direct, kind, overlap):
     """Three segments (image and video references, different speech and lengths, one joining
     late) batched by the scheduler produce the frames each produces alone; with the decode on
-    the scheduler's decode thread (overlap) as well."""
+    the scheduler's decode thread (overlap) as well; for a direct model (no refiner) and with
+    classifier-free guidance of a model not distilled (two DiT passes a step) too."""
+    import dataclasses
+
+    if kind == "direct":
+        tiny = tiny_direct
+    elif kind == "guided":
+        tiny = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, audio_scale=2.5))
     image, video = _refs(tiny)
     refs, secs = [image, video, image], [1.7, 2.3, 1.1]
     alone = _segments(tiny, refs, secs)

@@ -241,6 +241,47 @@ def test_export_loads_into_registry(trained, dataset, tmp_path, monkeypatch):
     assert torch.equal(w16, sd["blocks.0.self_attn.q.weight"].bfloat16().float())
 
 
+def test_direct_dit_trains_exports_and_generates_without_a_refiner(trained, dataset, tmp_path, monkeypatch):
+    """a2v `direct`: the DiT trains on the HR latents with 2x patches, starting from the LR a2v
+    run lifted (`lift_patch_state`); its loss goes down; export writes no refiner and sets
+    lr_size = hr_size; the registry model runs the whole chain (SR passes through) and publishes
+    hr-size frames for the whole audio."""
+    import numpy as np
+
+    from avatarstream import registry
+    from avatarstream.engine.pipeline import Pipeline
+    from avatarstream.eval.benchmark import CollectSink
+    from avatarstream.train.export import export, load_exported, model_spec
+
+    a2v = str(trained["a2v-tiny"])
+    rd = tmp_path / "direct"
+    run("a2v-tiny", dataset, rd, train__steps=40, a2v__direct=True, init__dit=a2v, init__audio=a2v,
+        init__text=a2v, **FAST["a2v-tiny"])
+    ls = losses(rd)
+    assert sum(ls[-10:]) < sum(ls[:10]), ls
+    out = tmp_path / "weights" / "tiny-direct"
+    export([rd], out, dtype="fp32", steps=2)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pipeline"]["steps"] == 2
+    assert not (out / "refiner.safetensors").exists() and "refiner" not in cfg["configs"]
+    assert cfg["pipeline"]["lr_size"] == cfg["pipeline"]["hr_size"] == 64
+    assert cfg["configs"]["dit"]["patch"] == [1, 4, 4]
+    assert "refiner" not in load_exported(out)
+    spec = model_spec(out)
+    assert spec.refiner is None
+    monkeypatch.setitem(registry.MODELS, "tiny-direct", spec)
+    ms = registry.load_model("tiny-direct")
+    assert ms.refiner is None and ms.config.lr_size == 64 and ms.config.steps == 2
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.rand(1, 3, 64, 64, generator=g) * 255).to(torch.uint8)
+    wave = 0.1 * torch.randn(16000 * 2, generator=g)
+    sink = CollectSink()
+    summary = Pipeline(ms).run(ref, iter(wave.split(3200)), [sink])
+    frames = np.stack(sink.frames)
+    assert frames.shape[1:] == (64, 64, 3) and summary.frames == 50
+    assert frames.std(axis=0).mean() > 0  # the frames move
+
+
 def test_cfg_distilled_student_takes_the_scales_as_inputs(trained, dataset, tmp_path):
     """CFG distillation with the scales as inputs: the student starts as the teacher whatever the
     scales (zero guidance embedding), and after 200 steps its change from low to high scales

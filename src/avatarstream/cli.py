@@ -45,9 +45,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk")
     p.add_argument("--sampler", choices=["euler", "stochastic"], default=None)
     p.add_argument("--audio-scale", type=float, default=None,
-                   help="audio guidance scale of a CFG-distilled model (default: the model's)")
+                   help="audio guidance scale (default: the model's; a model not CFG-distilled then runs "
+                        "classifier-free guidance, twice the DiT work)")
     p.add_argument("--ref-scale", type=float, default=None,
-                   help="reference guidance scale of a CFG-distilled model (default: the model's)")
+                   help="reference guidance scale (default: the model's, or 1: unguided)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prompt", default="", help="optional text/scene description")
     p.add_argument("--hls", default=None, metavar="DIR", help="also publish a live HLS stream into DIR")
@@ -84,8 +85,6 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
             if not 0.0 <= val <= 20.0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be between 0 and 20, got {val}")
             o[key] = val
-    if (o.get("audio_scale", c.audio_scale) is None) != (o.get("ref_scale", c.ref_scale) is None):
-        raise ConfigError("give both --audio-scale and --ref-scale (this model has no default scales)")
     if getattr(args, "decode_inline", False):
         o["decode_overlap"] = False
     if getattr(args, "no_adaptive_sink", False):

@@ -31,12 +31,12 @@ from avatarstream.models.vae import CausalVAE, VAEConfig
 class ModelSpec:
     name: str
     dit: Callable[[], DiTConfig]
-    refiner: Callable[[], RefinerConfig]
+    refiner: Callable[[], RefinerConfig] | None  # None: a direct model (DiT at the output size)
     vae: Callable[[], VAEConfig]
     audio: Callable[[], AudioConfig]
     text: Callable[[], TextConfig]
     pipeline: Callable[[], PipelineConfig]
-    weights: Path | None = None  # folder with dit/refiner/vae/audio/text .safetensors
+    weights: Path | None = None  # folder with dit/(refiner)/vae/audio/text .safetensors
     seed: int = 0
     description: str = ""
 
@@ -106,22 +106,25 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> M
     torch.manual_seed(spec.seed)
     nets = {
         "dit": VideoRefDiT(spec.dit()),
-        "refiner": SRRefiner(spec.refiner()),
+        "refiner": None if spec.refiner is None else SRRefiner(spec.refiner()),
         "vae": CausalVAE(spec.vae()),
         "audio": AudioEncoder(spec.audio()),
         "text": TextEncoder(spec.text()),
     }
     if spec.weights is None:
         for net in nets.values():
-            _randomize(net, spec.seed)
+            if net is not None:
+                _randomize(net, spec.seed)
     if bf16 is None:
         bf16 = name != "tiny-random" and bf16_is_fast(device)
     ac = torch.bfloat16 if bf16 else None
-    mods = {k: Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner", "vae") else None)
+    mods = {k: None if v is None else
+            Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner", "vae") else None)
             for k, v in nets.items()}
     if spec.weights is not None:
         for k, mod in mods.items():
-            mod.load_safetensors(spec.weights / f"{k}.safetensors")
+            if mod is not None:
+                mod.load_safetensors(spec.weights / f"{k}.safetensors")
     audio_model = mods["audio"].model
     return ModelSet(name=name, config=spec.pipeline(),
                     make_audio_stream=lambda: StreamingAudioFeatures(audio_model), **mods)

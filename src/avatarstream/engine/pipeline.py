@@ -58,10 +58,12 @@ class PipelineConfig:
     sampler: str = "euler"  # "euler" | "stochastic"
     shift: float = 1.0
     overshoot: float = 0.2
-    # CFG scales (audio, reference) of a CFG-distilled DiT with the scales as inputs; None: its
-    # plain conditional prediction
+    # CFG scales (audio, reference): inputs of a CFG-distilled DiT (one pass), classifier-free
+    # guidance of any other (2-3 passes a step); both None: the plain conditional prediction, one
+    # None: 1.0 (that stream unguided)
     audio_scale: float | None = None
     ref_scale: float | None = None
+    guidance_input: bool = False  # the DiT is CFG-distilled: the scales are its inputs
     sr_sigma: float = 0.6
     sr_window: int = 1
     audio_window: int = 1
@@ -84,10 +86,11 @@ class PipelineConfig:
 
     @property
     def guidance(self) -> tuple[float, float] | None:
-        """(audio, reference) scales for the DiT, or None (both must be set to use guidance)."""
-        if self.audio_scale is None or self.ref_scale is None:
+        """(audio, reference) scales for the DiT, or None (neither set: no guidance)."""
+        if self.audio_scale is None and self.ref_scale is None:
             return None
-        return (float(self.audio_scale), float(self.ref_scale))
+        return (float(1.0 if self.audio_scale is None else self.audio_scale),
+                float(1.0 if self.ref_scale is None else self.ref_scale))
 
     @property
     def ref_pixel_frames(self) -> int:
@@ -105,7 +108,7 @@ class ModelSet:
 
     name: str
     dit: Module
-    refiner: Module
+    refiner: Module | None  # None: a direct model (the DiT works at the output resolution)
     vae: Module
     audio: Module
     text: Module
@@ -113,7 +116,7 @@ class ModelSet:
     make_audio_stream: Callable[[], object]  # -> StreamingAudioFeatures for a new session
 
     def modules(self) -> list[Module]:
-        return [self.dit, self.refiner, self.vae, self.audio, self.text]
+        return [m for m in (self.dit, self.refiner, self.vae, self.audio, self.text) if m is not None]
 
 
 @dataclass
@@ -177,7 +180,8 @@ def default_stages(pipe: "Pipeline", schedule: ContinuitySchedule, publisher: Pu
     return [
         pipe.context_stage(),
         AudioToVideoStage(m.dit, steps=c.steps, sampler=c.sampler, shift=c.shift,
-                          overshoot=c.overshoot, seed=c.seed, guidance=c.guidance),
+                          overshoot=c.overshoot, seed=c.seed, guidance=c.guidance,
+                          guidance_input=c.guidance_input),
         *pipe.output_stages(schedule, publisher),
     ]
 

@@ -95,6 +95,7 @@ def causal_block_forward(dit: VideoRefDiT, x: torch.Tensor, sigma: torch.Tensor,
         h = blk.cross(h, text, tmask, audio)
         h = blk.ffn_out(h, m)
     vel, mv = dit._outputs(h, e, hp, wp)
+    vel = dit.velocity_of(vel, x, sigma, cond.anchor)
     return DiTOutput(velocity=vel, motion_velocity=mv), BlockKV(ks, vs)
 
 
@@ -177,4 +178,4 @@ def block_causal_forward(dit: VideoRefDiT, x: torch.Tensor, sigma: torch.Tensor,
         h = torch.cat([h[:, :rs], blk.cross(h[:, rs:], text, tmask, audio)], dim=1)
         h = blk.ffn_out(h, m)
     vel, mv = dit._outputs(h[:, rs:], e, hp, wp)
-    return DiTOutput(velocity=vel, motion_velocity=mv)
+    return DiTOutput(velocity=dit.velocity_of(vel, x, sigma, cond.anchor), motion_velocity=mv)

@@ -67,6 +67,13 @@ class DiTConfig:
     # instead of re-deriving the whole appearance through attention. Off for models trained
     # without it (their config.json has no key).
     anchor: bool = False
+    # x0 output with a parameter-free noise path: the head predicts x̂0 − anchor (the scene
+    # frame's latent, 0 without one) and the velocity is (x − x̂0) / σ. A patch of p·p·C values
+    # wider than the model (4x4x16 = 256 > 192) cannot carry the per-pixel noise of x through the
+    # tokens, so a velocity head leaves that noise in the sample; here the noise goes around the
+    # network. Used by `direct` DiTs (train/tasks.py dit_config); the Euler step becomes the convex
+    # mix (1 − Δ/σ)·x + (Δ/σ)·x̂0.
+    x0_skip: bool = False
 
     @classmethod
     def tiny(cls) -> "DiTConfig":
@@ -128,6 +135,47 @@ class DiTOutput:
 
 # ---------------------------------------------------------------------------------------------
 # layers
+
+
+PATCH_KEYS = ("patch_embedding.weight", "anchor_embedding.weight")  # conv [D, C, 1, ph, pw]
+HEAD_KEYS = ("head.head.weight", "head.head.bias")  # rows ordered (ph, pw, C) (see _unpatchify)
+
+
+def lift_patch_state(state: dict[str, torch.Tensor], shapes: dict[str, torch.Size]
+                     ) -> dict[str, torch.Tensor]:
+    """Weights of a DiT with spatial patch p moved to a DiT with patch k·p (same width and
+    depth; `shapes`: the new net's parameter shapes), so that on latents k× the size
+
+        new(nearest_upsample_k(x)) == nearest_upsample_k(old(x))
+
+    exactly: the patch and anchor embeddings spread each old tap over its k×k block at 1/k²
+    (a k×k block of equal values embeds as the old single value did), the head repeats each
+    old output over its block. With k·p patches the token count per frame is the old one's at
+    k× the resolution, so a DiT trained on the LR latents starts on the HR latents as itself
+    applied to the pooled picture (test_models.py proves the identity). Other keys pass
+    through; a shape no rule explains is left for the loader to report."""
+    out = dict(state)
+    for key in PATCH_KEYS:
+        if key in state and key in shapes and state[key].shape != shapes[key]:
+            w = state[key]  # [D, C, 1, p, p]
+            k = shapes[key][-1] // w.shape[-1]
+            if k * w.shape[-1] == shapes[key][-1] and w.shape[:3] == shapes[key][:3]:
+                out[key] = w.repeat_interleave(k, -2).repeat_interleave(k, -1) / (k * k)
+    for key in HEAD_KEYS:
+        if key in state and key in shapes and state[key].shape != shapes[key]:
+            w = state[key]  # [p*p*C, ...]
+            p2, n2 = w.shape[0], shapes[key][0]
+            pk = PATCH_KEYS[0]
+            if pk not in state or pk not in shapes:
+                continue
+            c = state[pk].shape[1]
+            p, q = state[pk].shape[-1], shapes[pk][-1]
+            if q % p or p * p * c != p2 or q * q * c != n2:
+                continue
+            k = q // p
+            w = w.reshape(p, p, c, *w.shape[1:])
+            out[key] = w.repeat_interleave(k, 0).repeat_interleave(k, 1).reshape(n2, *w.shape[3:])
+    return out
 
 
 def sinusoidal_embedding(pos: torch.Tensor, dim: int) -> torch.Tensor:
@@ -540,7 +588,21 @@ class VideoRefDiT(RefTransformer):
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: DiTCondition,
                 ref: ReferenceCache | None) -> DiTOutput:
         vel, mv = self._run(x, sigma, cond, ref)
-        return DiTOutput(velocity=vel, motion_velocity=mv)
+        return DiTOutput(velocity=self.velocity_of(vel, x, sigma, cond.anchor), motion_velocity=mv)
+
+    def velocity_of(self, head: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor,
+                    anchor: torch.Tensor | None) -> torch.Tensor:
+        """The velocity from the head's output `[B, C, T, h, w]`: itself, or with `x0_skip`
+        (x − x̂0) / σ where x̂0 = head + anchor `[B, C, h, w]` (σ floored at 1e-3: frames given
+        clean have σ = 0 and their velocity is never used)."""
+        if not self.config.x0_skip:
+            return head
+        b, _, t = x.shape[:3]
+        x0 = head.float()
+        if anchor is not None:
+            x0 = x0 + anchor.float()[:, :, None]
+        s = self._sigma(sigma, b, t, x.device).float().clamp_min(1e-3)[:, None, :, None, None]
+        return ((x.float() - x0) / s).to(head.dtype)
 
     def forward_uncached(self, x: torch.Tensor, sigma: torch.Tensor, cond: DiTCondition,
                          ref_latents: torch.Tensor, valid: torch.Tensor | None,
@@ -552,4 +614,4 @@ class VideoRefDiT(RefTransformer):
                       ref_latents: torch.Tensor, valid: torch.Tensor | None,
                       ref_t_pos: torch.Tensor) -> DiTOutput:
         vel, mv = self._run_dense(x, sigma, cond, ref_latents, valid, ref_t_pos)
-        return DiTOutput(velocity=vel, motion_velocity=mv)
+        return DiTOutput(velocity=self.velocity_of(vel, x, sigma, cond.anchor), motion_velocity=mv)

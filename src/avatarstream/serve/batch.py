@@ -22,7 +22,7 @@ import torch
 from avatarstream.cache.conv import ConvCache
 from avatarstream.cache.reference import ReferenceCache
 from avatarstream.engine.stage import ChunkRecord
-from avatarstream.engine.stages.audio_to_video import pack, scene_anchor, unpack
+from avatarstream.engine.stages.audio_to_video import guided_velocity, pack, scene_anchor, unpack
 from avatarstream.engine.stages.decode_publish import to_uint8_frames
 from avatarstream.models.dit import DiTCondition
 from avatarstream.samplers import sample_euler
@@ -101,12 +101,15 @@ def denoise_batch(items: Sequence[Item]) -> None:
         xs_ = torch.where(gx, x_clean, xs_)  # given frames stay clean
         ms_ = torch.where(gm, m_clean, ms_)
         sig = torch.full(given.shape, float(sigma)).masked_fill(given, 0.0)  # [B, T]
-        cond = DiTCondition(motion=ms_, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
-                            guidance=guidance, anchor=anchor)
-        out = dit.call("forward", xs_, sig, cond, ref)
-        v = out.velocity.float().masked_fill(gx, 0.0)
-        mv = out.motion_velocity.float().masked_fill(gm, 0.0)
-        return pack(v, mv)
+
+        def velocity(tokens: torch.Tensor, reference):  # type: ignore[no-untyped-def]
+            cond = DiTCondition(motion=ms_, audio=tokens, text=text, text_mask=text_mask, t_pos=t_pos,
+                                guidance=guidance, anchor=anchor)
+            out = dit.call("forward", xs_, sig, cond, reference)
+            return out.velocity.float(), out.motion_velocity.float()
+
+        v, mv = guided_velocity(velocity, audio, ref, a2v.cfg)
+        return pack(v.masked_fill(gx, 0.0), mv.masked_fill(gm, 0.0))
 
     out = sample_euler(denoise, pack(x, m), a2v.sigmas)
     xo, mo = unpack(out, x.shape, m.shape)
@@ -119,6 +122,10 @@ def denoise_batch(items: Sequence[Item]) -> None:
 def refine_batch(items: Sequence[Item]) -> None:
     """SuperResStage for B chunks with the same emitted span: writes hr_latents, stores them."""
     sr = items[0][1].rest[1]
+    if sr.refiner is None:  # a direct model: nothing to refine
+        for rec, seg in items:
+            sr.run(rec, seg.state)
+        return
     lrs, noises, motions, audios = [], [], [], []
     spans = []
     for rec, _ in items:

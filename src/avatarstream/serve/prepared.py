@@ -33,12 +33,13 @@ FORMAT = "avatarstream-prepared-reference-2"
 class PreparedReference:
     model: str
     dit: ReferenceCache
-    refiner: ReferenceCache
+    refiner: ReferenceCache | None  # None: a direct model (no refiner)
     scene_lr: torch.Tensor  # [1, C, h, w] the scene frame (ReferenceStage)
     scene_motion: torch.Tensor  # [1, Dm]
 
     def nbytes(self) -> int:
-        return (self.dit.nbytes() + self.refiner.nbytes() + self.scene_lr.numel() * 4
+        return (self.dit.nbytes() + (0 if self.refiner is None else self.refiner.nbytes())
+                + self.scene_lr.numel() * 4
                 + self.scene_motion.numel() * 4)
 
 
@@ -84,13 +85,14 @@ def save_prepared(ref: PreparedReference, path: str | Path) -> None:
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     _flatten("dit", ref.dit, tensors)
-    _flatten("refiner", ref.refiner, tensors)
+    if ref.refiner is not None:
+        _flatten("refiner", ref.refiner, tensors)
     tensors["scene.lr"] = ref.scene_lr.float().contiguous()
     tensors["scene.motion"] = ref.scene_motion.float().contiguous()
     meta = {"format": FORMAT, "model": ref.model,
-            "dit_layers": str(len(ref.dit.k)), "dit_tokens": str(ref.dit.tokens_per_frame),
-            "refiner_layers": str(len(ref.refiner.k)),
-            "refiner_tokens": str(ref.refiner.tokens_per_frame)}
+            "dit_layers": str(len(ref.dit.k)), "dit_tokens": str(ref.dit.tokens_per_frame)}
+    if ref.refiner is not None:
+        meta.update(refiner_layers=str(len(ref.refiner.k)), refiner_tokens=str(ref.refiner.tokens_per_frame))
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
@@ -107,6 +109,7 @@ def load_prepared(path: str | Path) -> PreparedReference:
     return PreparedReference(
         meta["model"],
         _unflatten("dit", t, int(meta["dit_layers"]), int(meta["dit_tokens"])),
-        _unflatten("refiner", t, int(meta["refiner_layers"]), int(meta["refiner_tokens"])),
+        (_unflatten("refiner", t, int(meta["refiner_layers"]), int(meta["refiner_tokens"]))
+         if "refiner_layers" in meta else None),
         t["scene.lr"], t["scene.motion"],
     )

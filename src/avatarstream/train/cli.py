@@ -4,7 +4,7 @@
                               [--set section.key=value ...] [--no-progress]
     avatarstream train prepare --shards SYNTH_DIR --vae VAE_RUN|WEIGHTS|random --model tiny|small
                                --out FILE.safetensors [--max-clips N] [--device cpu|cuda]
-    avatarstream train export RUN_DIR [RUN_DIR ...] --out weights/NAME/
+    avatarstream train export RUN_DIR [RUN_DIR ...] --out weights/NAME/ [--steps K]
 
 Each returns a JSON-serialisable summary (the top-level CLI prints it).
 """
@@ -65,6 +65,9 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepared", default=None,
                    help="prepared file whose VAE to bundle (default: the one the runs trained on)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="storage dtype")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the model's default denoising steps (default: the preset's; pick it from "
+                        "`eval card --sweep-steps`)")
     return p
 
 
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from avatarstream.train.export import export
 
         ns = _parse(_export_parser(), args.rest)
-        return export(ns.runs, ns.out, prepared=ns.prepared, dtype=ns.dtype)
+        return export(ns.runs, ns.out, prepared=ns.prepared, dtype=ns.dtype, steps=ns.steps)
     ns = _parse(_run_parser(), args.rest)
     from avatarstream.train.recipe import load_recipe
     from avatarstream.train.trainer import Trainer

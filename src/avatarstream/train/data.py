@@ -308,6 +308,10 @@ class PreparedData:
             by_id.setdefault(c["identity"], []).append(i)
         self._by_id = by_id
 
+    def use_hr_as_lr(self) -> None:
+        """Serve the HR latents where the LR ones are asked for (a `direct` DiT's data)."""
+        self.lr, self.lr_size = self.hr, self.hr_size
+
     @property
     def latent_channels(self) -> int:
         return int(self.lr.shape[1])

@@ -6,6 +6,8 @@ For each of the five networks the weights come from the first run (in the order 
 its decoder from a decoder fine-tuning run if one is given); a network no run trained is taken from a run that held it frozen
 (e.g. the audio encoder copied into an `sr` run), else it keeps its deterministic initial weights
 and is listed under `untrained` in config.json. All runs must share one model size preset.
+A DiT trained `direct` (a2v `direct = true`: at the output resolution) makes a model without a
+refiner: no `refiner.safetensors`, `pipeline.lr_size` = `hr_size`.
 
 Folder: `{dit,refiner,vae,audio,text}.safetensors` + `config.json` = {"model": preset, network
 configs, "pipeline": the preset's PipelineConfig fields, "trained": net -> run, "untrained"}.
@@ -58,9 +60,10 @@ def _prepared_vae(runs: list[tuple[Path, dict, dict]], prepared: str | Path | No
 
 
 def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepared: str | Path | None = None,
-           dtype: str = "bf16") -> dict[str, Any]:
+           dtype: str = "bf16", steps: int | None = None) -> dict[str, Any]:
     """dtype: storage of floating-point tensors ("bf16" halves the bundle; loading casts back to
-    the model's dtype) or "fp32"."""
+    the model's dtype) or "fp32"; steps: the model's default denoising steps (None: the
+    preset's)."""
     from safetensors.torch import save_file
 
     if dtype not in ("bf16", "fp32"):
@@ -77,7 +80,15 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     if len(models) != 1:
         raise InputError(f"runs mix model sizes {sorted(models)}; export runs of one size")
     model = models.pop()
-    nets = build_nets(model)
+    dit_run = next((side for _, side, _ in runs if "dit" in side["trainable"]), None)
+    distill = _run_recipe(runs, dit_run)
+    direct = bool(distill.get(distill.get("stage", ""), {}).get("direct", False))
+    if direct and any("refiner" in side["trainable"] for _, side, _ in runs):
+        raise InputError("the DiT run is direct (it generates at the output resolution): a model "
+                         "with it has no SR refiner, leave the sr run out")
+    nets = build_nets(model, direct)
+    if direct:
+        del nets["refiner"]
     trained: dict[str, str] = {}
     frozen: dict[str, str] = {}
     untrained: list[str] = []
@@ -108,7 +119,10 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     total = 0
-    for name in NETS:
+    stale = out / "refiner.safetensors"
+    if direct and stale.exists():  # a folder re-exported as a direct model
+        stale.unlink()
+    for name in (n for n in NETS if n in nets):
         p = out / f"{name}.safetensors"
         store = torch.bfloat16 if dtype == "bf16" else torch.float32
         save_file({k: (v.to(store) if v.is_floating_point() else v).detach().contiguous()
@@ -117,14 +131,18 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     from avatarstream.registry import _small_pipeline, _tiny_pipeline
 
     pipe = (_tiny_pipeline if model == "tiny" else _small_pipeline)()
-    dit_run = next((side for _, side, _ in runs if "dit" in side["trainable"]), None)
-    distill = _run_recipe(runs, dit_run)
+    if direct:
+        pipe = dataclasses.replace(pipe, lr_size=pipe.hr_size)
+    if steps is not None:
+        if not 1 <= steps <= 64:
+            raise InputError(f"--steps must be between 1 and 64, got {steps}")
+        pipe = dataclasses.replace(pipe, steps=steps)
     if distill.get("stage") == "cfg-distill" and distill.get("cfg-distill", {}).get("guidance_input"):
         # the DiT takes the CFG scales as inputs: its run's scales are the model's defaults
         pipe = dataclasses.replace(pipe, audio_scale=distill["cfg-distill"]["audio_scale"],
-                                   ref_scale=distill["cfg-distill"]["ref_scale"])
+                                   ref_scale=distill["cfg-distill"]["ref_scale"], guidance_input=True)
     cfg = {"model": model,
-           "configs": {n: dataclasses.asdict(nets[n].cfg if n == "vae" else nets[n].config) for n in NETS},
+           "configs": {n: dataclasses.asdict(nets[n].cfg if n == "vae" else nets[n].config) for n in NETS if n in nets},
            "pipeline": dataclasses.asdict(pipe), "trained": trained, "dtype": dtype, "frozen_copies": frozen,
            "untrained": untrained}
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
@@ -188,18 +206,21 @@ def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-
     stored_pipe = cfg.get("pipeline", {})
 
     def pipeline():  # type: ignore[no-untyped-def]
-        """Today's preset, with the inference defaults the export chose (CFG scales)."""
-        keep = {k: stored_pipe[k] for k in ("audio_scale", "ref_scale") if stored_pipe.get(k) is not None}
+        """Today's preset, with the inference defaults the export chose (CFG scales, steps, a
+        direct model's lr_size)."""
+        keep = {k: stored_pipe[k] for k in ("audio_scale", "ref_scale", "guidance_input", "lr_size", "steps")
+                if stored_pipe.get(k) is not None}
         return dataclasses.replace(preset(), **keep)
 
-    return ModelSpec(name or folder.name, pick(DiTConfig, "dit"), pick(RefinerConfig, "refiner"),
+    refiner = pick(RefinerConfig, "refiner") if (folder / "refiner.safetensors").is_file() else None
+    return ModelSpec(name or folder.name, pick(DiTConfig, "dit"), refiner,
                      pick(VAEConfig, "vae"), pick(AudioConfig, "audio"), pick(TextConfig, "text"),
                      pipeline,
                      weights=folder, description=f"trained ({m}) from {folder}")
 
 
 def load_exported(folder: str | Path) -> dict[str, torch.nn.Module]:
-    """The five networks of an exported folder, loaded strictly into the model classes."""
+    """The networks of an exported folder (four for a direct model), loaded strictly."""
     from safetensors.torch import load_file
 
     from avatarstream.models.audio import AudioEncoder
@@ -210,8 +231,10 @@ def load_exported(folder: str | Path) -> dict[str, torch.nn.Module]:
 
     folder = Path(folder)
     spec = model_spec(folder)  # the sizes the weights were exported with
-    nets = {"dit": VideoRefDiT(spec.dit()), "refiner": SRRefiner(spec.refiner()), "vae": CausalVAE(spec.vae()),
+    nets = {"dit": VideoRefDiT(spec.dit()), "vae": CausalVAE(spec.vae()),
             "audio": AudioEncoder(spec.audio()), "text": TextEncoder(spec.text())}
+    if spec.refiner is not None:
+        nets["refiner"] = SRRefiner(spec.refiner())
     for name, net in nets.items():
         net.load_state_dict(load_file(str(folder / f"{name}.safetensors")), strict=True)
     return nets

@@ -45,7 +45,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             "eyes": 1.0, "radius": 0.06, "p_drop_audio": 0.1, "p_drop_ref": 0.05, "p_empty_text": 0.5,
             "p_cross_scene": 1.0, "audio_window": 1, "ref_t_position": -8.0, "train_audio": True,
             "train_text": True, "human_sync": 0.0, "human_identity": 0.0, "p_human": 1.0,
-            "human_context": 4},
+            "human_context": 4, "direct": False},
     "cfg-distill": {},
     "sr": {"chunk": 4, "ref_frames": 8, "sigma": 0.6, "p_sigma_jitter": 0.25, "sigma_jitter": 0.2,
            "lr_noise": 0.05, "mouth": 2.0, "eyes": 1.0, "radius": 0.06, "p_empty_text": 0.5,

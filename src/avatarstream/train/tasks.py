@@ -33,13 +33,24 @@ from avatarstream.train.data import (FRAME_KEYS, PixelClip, PreparedData, load_p
                                      motion_descriptor, region_weight)
 
 NETS = ("dit", "refiner", "vae", "audio", "text")
+X0_LOSS_FLOOR = 0.25
 GEOMETRY = {"tiny": {"lr_size": 32, "hr_size": 64}, "small": {"lr_size": 128, "hr_size": 256}}
 
 
-def build_nets(model: str) -> dict[str, nn.Module]:
-    """All five networks at the preset's sizes (fresh, default PyTorch init)."""
+def dit_config(model: str, direct: bool = False) -> DiTConfig:
+    """The preset's DiT config; `direct`: it generates at the output (HR) resolution with 2× the
+    spatial patch, so a frame has as many tokens as at LR (no SR refiner in the chain)."""
+    cfg = getattr(DiTConfig, model)()
+    if direct:
+        cfg = dataclasses.replace(cfg, patch=(1, 2 * cfg.patch[1], 2 * cfg.patch[2]), x0_skip=True)
+    return cfg
+
+
+def build_nets(model: str, direct: bool = False) -> dict[str, nn.Module]:
+    """All five networks at the preset's sizes (fresh, default PyTorch init); `direct`: see
+    `dit_config`."""
     pick = lambda cls: getattr(cls, model)()  # noqa: E731
-    return {"dit": VideoRefDiT(pick(DiTConfig)), "refiner": SRRefiner(pick(RefinerConfig)),
+    return {"dit": VideoRefDiT(dit_config(model, direct)), "refiner": SRRefiner(pick(RefinerConfig)),
             "vae": CausalVAE(pick(VAEConfig)), "audio": AudioEncoder(pick(AudioConfig)),
             "text": TextEncoder(pick(TextConfig))}
 
@@ -106,8 +117,11 @@ class Task:
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         self.recipe, self.device = recipe, device
         self.cfg = recipe[self.stage]
-        self.geometry = GEOMETRY[recipe["model"]]
-        all_nets = build_nets(recipe["model"])
+        self.direct = bool(self.cfg.get("direct", False))
+        self.geometry = dict(GEOMETRY[recipe["model"]])
+        if self.direct:  # the DiT works on the output-resolution latents
+            self.geometry["lr_size"] = self.geometry["hr_size"]
+        all_nets = build_nets(recipe["model"], self.direct)
         self.nets = {k: all_nets[k] for k in self.uses()}
         for i, (k, net) in enumerate(sorted(self.nets.items())):
             init_net(k, net, recipe["train"]["seed"] * 101 + i)
@@ -259,10 +273,12 @@ class _LatentTask(Task):
             raise ConfigError(f"the {self.stage} recipe needs data.prepared (a file made by "
                               "`avatarstream train prepare`)")
         self.data = PreparedData(d["prepared"])
-        g = self.geometry
+        g = GEOMETRY[recipe["model"]]
         if self.data.lr_size != g["lr_size"] or self.data.hr_size != g["hr_size"]:
             raise ConfigError(f"{d['prepared']} holds {self.data.lr_size}/{self.data.hr_size} px latents; "
                               f"model {recipe['model']} wants {g['lr_size']}/{g['hr_size']}")
+        if self.direct:
+            self.data.use_hr_as_lr()
         c_model = getattr(DiTConfig, recipe["model"])().in_channels
         if self.data.latent_channels != c_model:
             raise ConfigError(f"{d['prepared']}: {self.data.latent_channels} latent channels, "
@@ -459,9 +475,16 @@ class A2VTask(_LatentTask):
 
     def flow_losses(self, b: dict[str, Any], v: torch.Tensor, mv: torch.Tensor, v_target: torch.Tensor,
                     mv_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mouth/eye-weighted MSE of v `[B,C,T,h,w]` and MSE of mv `[B,T,Dm]` over generated frames."""
+        """Mouth/eye-weighted MSE of v `[B,C,T,h,w]` and MSE of mv `[B,T,Dm]` over generated frames.
+
+        An `x0_skip` DiT's velocity error is its x̂0 error / σ: below σ = X0_LOSS_FLOOR the weight
+        is (σ / floor)² so the loss there is the x̂0 error / floor², bounded instead of growing
+        as 1/σ² (the samplers query σ ≥ 0.25 at 4 steps)."""
         gen = (~b["given"]).float()  # [B, T]
         w = b["weight"] * gen[:, None, :, None, None]
+        if self.nets["dit"].config.x0_skip:
+            s = b["sigma"].float()
+            w = w * ((s / s.clamp_min(X0_LOSS_FLOOR)) ** 2)[:, None, :, None, None]
         loss_v = ((v.float() - v_target).square() * w).sum() / (w.sum() * v.shape[1]).clamp_min(1)
         m_err = (mv.float() - mv_target).square().mean(-1)
         return loss_v, (m_err * gen).sum() / gen.sum().clamp_min(1)
@@ -528,7 +551,7 @@ class CFGDistillTask(A2VTask):
         c = recipe["cfg-distill"]
         p = [c["p_ref2v"], c["p_prefix"], c["p_interp"]]
         self.mode_p = torch.tensor(p, dtype=torch.float64) / max(sum(p), 1e-9)
-        self.nets["teacher"] = VideoRefDiT(getattr(DiTConfig, recipe["model"])())
+        self.nets["teacher"] = VideoRefDiT(dit_config(recipe["model"], self.direct))
 
     def uses(self) -> tuple[str, ...]:
         return ("dit", "audio", "text")

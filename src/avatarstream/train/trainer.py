@@ -129,9 +129,28 @@ NEW_INPUTS = ("anchor_embedding.",)
 
 
 def load_init(net: torch.nn.Module, sd: dict[str, torch.Tensor], what: str) -> None:
-    """Load starting weights; parameters under `NEW_INPUTS` that `sd` lacks are zeroed."""
+    """Load starting weights; parameters under `NEW_INPUTS` that `sd` lacks are zeroed; a DiT's
+    weights with a smaller spatial patch are lifted to this one's (`lift_patch_state`: an LR DiT
+    starting an output-resolution one)."""
+    from avatarstream.models.dit import HEAD_KEYS, lift_patch_state
+
+    shapes = {k: v.shape for k, v in net.state_dict().items()}
+    lifted = lift_patch_state(sd, shapes)
+    if getattr(getattr(net, "config", None), "x0_skip", False) and lifted is not sd and any(
+            k in sd and sd[k].shape != shapes[k] for k in HEAD_KEYS):
+        # an LR velocity head says nothing about x̂0 − anchor: the head starts at zero (x̂0 = the
+        # anchor: the still scene frame), the rest of the network carries over
+        lifted = {k: v for k, v in lifted.items() if k not in HEAD_KEYS}
+        missing_ok = HEAD_KEYS
+    else:
+        missing_ok = ()
+    sd = lifted
+    wrong = [k for k, v in sd.items() if k in shapes and v.shape != shapes[k]]
+    if wrong:
+        raise InputError(f"{what}: weights do not fit the network ({wrong[0]}: "
+                         f"{tuple(sd[wrong[0]].shape)} vs {tuple(shapes[wrong[0]])})")
     missing, unexpected = net.load_state_dict(sd, strict=False)
-    bad = [k for k in missing if not k.startswith(NEW_INPUTS)]
+    bad = [k for k in missing if not k.startswith(NEW_INPUTS) and k not in missing_ok]
     if bad or unexpected:
         raise InputError(f"{what}: weights do not fit the network (missing {bad[:4]}, "
                          f"unexpected {list(unexpected)[:4]})")

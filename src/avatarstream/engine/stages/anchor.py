@@ -19,7 +19,7 @@ class AppearanceAnchorStage(Stage):
     reads = ("lr_latents", "hr_latents")
     writes = ()
 
-    def __init__(self, dit: Module, refiner: Module, *, enabled: bool, ref_t_position: float) -> None:
+    def __init__(self, dit: Module, refiner: Module | None, *, enabled: bool, ref_t_position: float) -> None:
         super().__init__()
         self.dit, self.refiner, self.enabled, self.ref_t_position = dit, refiner, enabled, ref_t_position
 
@@ -32,6 +32,7 @@ class AppearanceAnchorStage(Stage):
         t_pos = torch.full((1,), self.ref_t_position)
         state.dit_reference = state.dit_reference.concat(
             self.dit.call("encode_reference", lr, None, t_pos))
-        state.refiner_reference = state.refiner_reference.concat(
-            self.refiner.call("encode_reference", hr, None, t_pos))
+        if self.refiner is not None:
+            state.refiner_reference = state.refiner_reference.concat(
+                self.refiner.call("encode_reference", hr, None, t_pos))
         state.anchor_added = True

@@ -28,6 +28,27 @@ def scene_anchor(state: SessionState) -> torch.Tensor | None:
     return None if scene is None else scene[0]
 
 
+def guided_velocity(velocity, audio: torch.Tensor, ref, cfg: tuple[float, float] | None  # type: ignore[no-untyped-def]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, motion v) of `velocity(audio_tokens, reference)` with classifier-free guidance on the
+    streams the DiT was trained to drop (a2v `p_drop_audio`: zero audio tokens; `p_drop_ref`: no
+    reference), the same combination CFG distillation learns (train/tasks.py CFGDistillTask):
+
+        v = v(∅, ∅) + ref_scale · (v(∅, r) − v(∅, ∅)) + audio_scale · (v(a, r) − v(∅, r))
+
+    cfg None: the plain v(a, r), one pass. Reference scale 1 skips the v(∅, ∅) pass."""
+    full = velocity(audio, ref)
+    if cfg is None:
+        return full
+    sa, sr = cfg
+    no_a = velocity(torch.zeros_like(audio), ref)
+    base = no_a
+    if sr != 1.0:
+        none = velocity(torch.zeros_like(audio), None)
+        base = tuple(n + sr * (r - n) for r, n in zip(no_a, none))  # type: ignore[assignment]
+    return tuple(b + sa * (f - r) for f, r, b in zip(full, no_a, base))  # type: ignore[return-value]
+
+
 class AudioToVideoStage(Stage):
     name = "audio_to_video"
     reads = ("given", "audio", "sigma_noise", "motion_noise")
@@ -35,12 +56,17 @@ class AudioToVideoStage(Stage):
 
     def __init__(self, dit: Module, *, steps: int, sampler: str = "euler", shift: float = 1.0,
                  overshoot: float = 0.2, seed: int = 0,
-                 guidance: tuple[float, float] | None = None) -> None:
-        """guidance: (audio, reference) CFG scales for a CFG-distilled DiT (one forward pass takes
-        them as inputs), or None for its plain conditional prediction."""
+                 guidance: tuple[float, float] | None = None, guidance_input: bool = False) -> None:
+        """guidance: (audio, reference) CFG scales, or None for the DiT's plain conditional
+        prediction. A CFG-distilled DiT (`guidance_input`) takes them as inputs of one forward
+        pass; any other DiT runs classifier-free guidance on its dropout streams (see
+        `guided_velocity`): two forward passes a step, three when the reference scale is not 1."""
         super().__init__()
         self.dit = dit
-        self.guidance = None if guidance is None else torch.tensor([guidance], dtype=torch.float32)  # [1, 2]
+        self.distilled = guidance_input
+        scales = None if guidance is None else torch.tensor([guidance], dtype=torch.float32)  # [1, 2]
+        self.guidance = scales if self.distilled else None  # the distilled DiT's input
+        self.cfg = None if self.distilled or guidance is None else (float(guidance[0]), float(guidance[1]))
         self.sigmas = flow_sigmas(steps, shift)
         self.sampler = sampler
         self.overshoot = overshoot
@@ -65,10 +91,14 @@ class AudioToVideoStage(Stage):
             xs[:, :, given], ms[:, given] = x_clean, m_clean  # given frames stay clean
             sig = torch.full((1, plan.length), float(sigma))
             sig[:, given] = 0.0
-            cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
-                                guidance=self.guidance, anchor=anchor)
-            out = self.dit.call("forward", xs, sig, cond, ref)
-            v, mv = out.velocity.float(), out.motion_velocity.float()
+
+            def velocity(tokens: torch.Tensor, reference):  # type: ignore[no-untyped-def]
+                cond = DiTCondition(motion=ms, audio=tokens, text=text, text_mask=text_mask, t_pos=t_pos,
+                                    guidance=self.guidance, anchor=anchor)
+                out = self.dit.call("forward", xs, sig, cond, reference)
+                return out.velocity.float(), out.motion_velocity.float()
+
+            v, mv = guided_velocity(velocity, audio, ref, self.cfg)
             v[:, :, given], mv[:, given] = 0.0, 0.0
             return pack(v, mv)
 

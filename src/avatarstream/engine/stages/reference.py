@@ -28,7 +28,7 @@ def frame_validity(video: torch.Tensor, *, min_std: float = 0.02) -> torch.Tenso
 class ReferenceStage:
     name = "reference"
 
-    def __init__(self, dit: Module, refiner: Module, vae: Module, text: Module, *,
+    def __init__(self, dit: Module, refiner: Module | None, vae: Module, text: Module, *,
                  lr_size: int, temporal_stride: int = 4, ref_t_position: float = -8.0) -> None:
         self.dit, self.refiner, self.vae, self.text = dit, refiner, vae, text
         self.lr_size = lr_size
@@ -59,14 +59,18 @@ class ReferenceStage:
             raise InputError("the reference has no usable frame (all frames are blank); "
                              "give a video or image that shows the person's face")
         hr_video = video.unsqueeze(0)  # [1, 3, F, H, W]
-        lr_video = F.interpolate(hr_video, size=(usable, self.lr_size, self.lr_size),
-                                 mode="area")  # [1, 3, F, h, w]
         hr_lat, _ = self.vae.call("encode", hr_video)  # [1, C, R, H/8, W/8] (means)
-        lr_lat, _ = self.vae.call("encode", lr_video)  # [1, C, R, h/8, w/8]
+        if self.lr_size == hr_video.shape[-1]:  # a direct model: the DiT works at the output size
+            lr_lat = hr_lat
+        else:
+            lr_video = F.interpolate(hr_video, size=(usable, self.lr_size, self.lr_size),
+                                     mode="area")  # [1, 3, F, h, w]
+            lr_lat, _ = self.vae.call("encode", lr_video)  # [1, C, R, h/8, w/8]
         r = hr_lat.shape[2]
         t_pos = torch.full((r,), self.ref_t_position)
         state.dit_reference = self.dit.call("encode_reference", lr_lat, valid[None], t_pos)
-        state.refiner_reference = self.refiner.call("encode_reference", hr_lat, valid[None], t_pos)
+        state.refiner_reference = (None if self.refiner is None else
+                                   self.refiner.call("encode_reference", hr_lat, valid[None], t_pos))
         # the scene frame: the first usable reference latent (a one-image latent when that is
         # frame 0) with its motion token, what ref2v / N chunks are given at their frame 0
         if scene is None:

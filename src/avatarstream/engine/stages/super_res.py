@@ -17,13 +17,19 @@ class SuperResStage(Stage):
     reads = ("lr_latents", "motion", "audio")
     writes = ("hr_latents",)
 
-    def __init__(self, refiner: Module, *, sigma: float = 0.6, window: int = 1, seed: int = 0) -> None:
+    def __init__(self, refiner: Module | None, *, sigma: float = 0.6, window: int = 1, seed: int = 0) -> None:
+        """refiner None: a `direct` model, whose DiT already made output-resolution latents; the
+        stage passes the emitted frames through to the store unchanged."""
         super().__init__()
         self.refiner, self.sigma, self.window, self.seed = refiner, sigma, window, seed
 
     def run(self, rec: ChunkRecord, state: SessionState) -> None:
         plan = rec.plan
         e0, e1 = plan.emit
+        if self.refiner is None:
+            rec.hr_latents = rec.lr_latents[:, :, e0:e1].float()
+            state.store.put(plan, rec.lr_latents, rec.motion, rec.hr_latents)
+            return
         c0 = max(0, e0 - self.window)
         lr = rec.lr_latents[:, :, c0:e1]  # [1, C, E', h, w]
         b, c, t, h, w = lr.shape
