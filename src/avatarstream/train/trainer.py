@@ -135,16 +135,14 @@ def load_init(net: torch.nn.Module, sd: dict[str, torch.Tensor], what: str) -> N
     from avatarstream.models.dit import HEAD_KEYS, lift_patch_state
 
     shapes = {k: v.shape for k, v in net.state_dict().items()}
-    lifted = lift_patch_state(sd, shapes)
-    if getattr(getattr(net, "config", None), "x0_skip", False) and lifted is not sd and any(
+    missing_ok: tuple[str, ...] = ()
+    if getattr(getattr(net, "config", None), "x0_skip", False) and any(
             k in sd and sd[k].shape != shapes[k] for k in HEAD_KEYS):
         # an LR velocity head says nothing about x̂0 − anchor: the head starts at zero (x̂0 = the
         # anchor: the still scene frame), the rest of the network carries over
-        lifted = {k: v for k, v in lifted.items() if k not in HEAD_KEYS}
+        sd = {k: v for k, v in sd.items() if k not in HEAD_KEYS}
         missing_ok = HEAD_KEYS
-    else:
-        missing_ok = ()
-    sd = lifted
+    sd = lift_patch_state(sd, shapes)
     wrong = [k for k, v in sd.items() if k in shapes and v.shape != shapes[k]]
     if wrong:
         raise InputError(f"{what}: weights do not fit the network ({wrong[0]}: "
