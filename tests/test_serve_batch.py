@@ -160,3 +160,40 @@ def test_prepared_reference_round_trips_through_disk(tiny, tmp_path):
         assert (a.key_valid is None) == (b.key_valid is None)
     assert torch.equal(video.scene_lr, back.scene_lr) and torch.equal(video.scene_motion, back.scene_motion)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_capacity_admits_the_first_session_in_real_time_and_more_within_the_margin():
+    from avatarstream.serve.scheduler import Capacity
+
+    # load(n) = (base + n * per) / chunk + n * encode
+    cap = Capacity(0, step_base_s=0.1, step_per_session_s=0.7, chunk_media_s=1.0, encode_load=0.1,
+                   target_load=0.8)
+    assert cap.load(1) == pytest.approx(0.9)
+    assert cap.admissible() == 1  # over the margin, but real time: nobody else to slow down
+    cap.step_per_session_s = 0.85
+    assert cap.load(1) > 1.0 and cap.admissible() == 0  # cannot keep even one in real time
+    cap.step_per_session_s = 0.2
+    assert [round(cap.load(n), 2) for n in (1, 2, 3)] == [0.4, 0.7, 1.0]
+    assert cap.admissible() == 2 and cap.admissible(limit=1) == 1
+
+
+def test_measure_steps_counts_the_overlapped_decode(tiny, monkeypatch):
+    """The server's calibration times whole rounds: a decode slower than the denoising, running
+    on the decode thread, sets the step time (timing the scheduler's calls alone missed it)."""
+    import time
+
+    from avatarstream.serve import batch
+    from avatarstream.serve.scheduler import measure_steps
+
+    prepared = _refs(tiny)[0]
+    fast, media = measure_steps(tiny, prepared, 1)
+    run = batch.DecodeJob.run
+
+    def slow(self):  # type: ignore[no-untyped-def]
+        time.sleep(0.4)
+        return run(self)
+
+    monkeypatch.setattr(batch.DecodeJob, "run", slow)
+    step, media2 = measure_steps(tiny, prepared, 1)
+    assert media2 == media > 0
+    assert step >= 0.4 > fast, (fast, step)

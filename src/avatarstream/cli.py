@@ -68,9 +68,7 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
     if args.strategy is not None:
         o["strategy"] = args.strategy
     if args.seconds_per_chunk is not None:
-        if args.seconds_per_chunk <= 0:
-            raise ConfigError("--seconds-per-chunk must be positive")
-        o["chunk"] = max(c.overlap + 1, c.interp_anchor + 2, round(args.seconds_per_chunk * c.fps / 4))
+        o["chunk"] = c.chunk_for_seconds(args.seconds_per_chunk)
     if args.steps is not None:
         if args.steps < 1:
             raise ConfigError("--steps must be at least 1")

@@ -7,7 +7,9 @@ clock: no frame is published later than the WebRTC playout would show it (the ti
 behind the wall clock stays under the server's playout delay) and the lag does not grow (its
 peaks in the second half of the window are within 0.1 s of those in the first half: the lag is
 a saw tooth of one chunk, so peaks are compared, not end points).
-`max_realtime_sessions` is the largest n that passed. Also reported per n: speech
+`max_realtime_sessions` is the largest n that passed. Chunks are the server's (`serve
+--seconds-per-chunk`; default the model's own, at most 0.8 s = 5 latent frames); `chunk` in the
+output says how many latent frames. Also reported per n: speech
 time-to-first-frame (from the text arriving to the first speech frame being shown by a WebRTC
 playout with the server's playout delay), batch sizes, and the capacity the server's start-up
 calibration predicts.
@@ -30,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per n")
     parser.add_argument("--max", type=int, default=16, help="largest n tried")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (model default)")
+    parser.add_argument("--seconds-per-chunk", type=float, default=None,
+                        help="chunk length in seconds of video (default: the server's: the model's own, at most 0.8)")
     parser.add_argument("--no-encode", action="store_true", help="skip the VP8 encode load")
     parser.add_argument("--no-batching", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -148,6 +152,9 @@ def run(args: argparse.Namespace) -> dict:
     c = models.config
     if args.steps:
         c.steps = args.steps
+    from avatarstream.serve.app import live_chunk
+
+    c.chunk = live_chunk(c, args.seconds_per_chunk)
     frames = torch.from_numpy(face_image(c.hr_size)).permute(2, 0, 1).unsqueeze(0)  # [1,3,H,W]
     prepared = prepare_reference(models, frames)
     cap = calibrate(models, prepared)
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
         best = n
     first = trials[0]
     return {
-        "model": args.model, "steps": c.steps, "resolution": c.hr_size,
+        "model": args.model, "steps": c.steps, "resolution": c.hr_size, "chunk": c.chunk,
         "threads": torch.get_num_threads(), "encode": not args.no_encode,
         "batching": not args.no_batching,
         "max_realtime_sessions": best,

@@ -39,6 +39,7 @@ from avatarstream.engine.stages.context import ContextStage
 from avatarstream.engine.stages.decode_publish import DecodePublishStage
 from avatarstream.engine.stages.reference import ReferenceStage
 from avatarstream.engine.stages.super_res import SuperResStage
+from avatarstream.errors import ConfigError
 from avatarstream.publish.base import Sink
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,13 @@ class PipelineConfig:
     @property
     def ref_pixel_frames(self) -> int:
         return 1 + 4 * (self.ref_frames - 1)
+
+    def chunk_for_seconds(self, seconds: float) -> int:
+        """Latent frames a chunk of `seconds` of video takes (rounded; including the prefix
+        overlap, at least what the strategy needs): `--seconds-per-chunk` of generate and serve."""
+        if not seconds > 0:
+            raise ConfigError(f"--seconds-per-chunk must be positive, got {seconds:g}")
+        return max(self.overlap + 1, self.interp_anchor + 2, round(seconds * self.fps / 4))
 
     def causal_settings(self) -> CausalSettings:
         return CausalSettings(block=self.block, kv_blocks=self.kv_blocks,

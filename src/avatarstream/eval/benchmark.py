@@ -285,12 +285,18 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int = 3, seed: int = 0,
                   out: Path | None = None, experts: Experts | None = None, plots: bool = True,
-                  reference_mode: str = "video", steps: int | None = None) -> dict[str, Any]:
+                  reference_mode: str = "video", steps: int | None = None,
+                  seconds_per_chunk: float | None = None) -> dict[str, Any]:
     """Score `model` on `clips` cases of `split`; writes OUT/report.{json,md} and PNGs when `out`
-    is given; returns the summary (stable keys + per-case metrics)."""
+    is given; returns the summary (stable keys + per-case metrics). `seconds_per_chunk`: run the
+    model with that chunk length instead of its own (the live server's, for instance)."""
     check_bench_args(split, seconds, clips)
     check_run_options(model, reference_mode, steps)
+    if seconds_per_chunk is not None and (model in BASELINES or model.startswith(ROUNDTRIP)):
+        raise InputError(f"--seconds-per-chunk applies to registry models; {model} is a baseline")
     models = load_subject(model)
+    if seconds_per_chunk is not None:
+        models.config = dataclasses.replace(models.config, chunk=models.config.chunk_for_seconds(seconds_per_chunk))
     t0 = time.perf_counter()
     bench = Bench(split, seconds=seconds, clips=clips, seed=seed, experts=experts)
     cases: list[dict[str, Any]] = []
@@ -307,6 +313,7 @@ def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int =
     summary.update(model=model, split=split, seed=seed, clips=clips, seconds=seconds,
                    reference_mode=reference_mode if models is not None else None,
                    steps=(models.config.steps if steps is None else steps) if models is not None else None,
+                   chunk=models.config.chunk if models is not None else None,
                    wall_s=round(time.perf_counter() - t0, 2),
                    cases=[{k: v for k, v in c.items() if k != "plots"} for c in cases])
     if out is not None:

@@ -264,6 +264,24 @@ def _unfold_up(x: torch.Tensor, cout: int) -> torch.Tensor:
     return F.pixel_shuffle(x.repeat_interleave(4 * cout // x.shape[1], dim=1), 2)
 
 
+# Nearest ×2 upsampling then a 3×3 conv (padding 1), computed on the small picture: output pixel
+# (2i + a, 2j + b) sees input rows i-1, i, i (a = 0) or i, i, i+1 (a = 1), so its taps fold into a
+# 3×3 kernel over the input per phase (a, b). _PHASE[a] maps the conv's 3 kernel rows to the input
+# offsets -1, 0, +1.
+_PHASE = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0), (0.0, 0.0, 0.0)), ((0.0, 0.0, 0.0), (1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+
+
+def subpixel_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """conv2d(nearest×2(x), weight, bias, padding=1) == pixel_shuffle(conv2d(x, W4, b4, padding=1), 2)
+    for (W4, b4) = subpixel_weights(weight, bias): weight [cout, cin, 3, 3] -> W4 [4·cout, cin, 3, 3]
+    (channel 4o + 2a + b: output channel o at phase (a, b), pixel_shuffle's order). The same sums
+    in another order (float rounding), on a quarter of the pixels, without the upsampled copy."""
+    r = torch.tensor(_PHASE, dtype=weight.dtype, device=weight.device)  # [2, 3, 3]
+    w4 = torch.einsum("aik,ockl,bjl->oabcij", r, weight, r)  # [cout, 2, 2, cin, 3, 3]
+    cout, cin = weight.shape[:2]
+    return w4.reshape(4 * cout, cin, 3, 3), None if bias is None else bias.repeat_interleave(4)
+
+
 def _channel_mean(x: torch.Tensor, cout: int) -> torch.Tensor:
     """[B, C, ...] -> [B, cout, ...]: mean over groups of C/cout consecutive channels."""
     return x.reshape(x.shape[0], cout, x.shape[1] // cout, *x.shape[2:]).mean(dim=2)
@@ -345,11 +363,15 @@ class Upsample(nn.Module):
                 y = y + x.repeat_interleave(2, dim=2)  # each frame's two frames start as copies
             x = torch.cat([x[:, :, :1], y[:, :, 2:]], dim=2) if first else y
         cout = self.resample.out_channels
-        if self.shortcut:
-            return _per_frame(lambda f: self.resample(F.interpolate(f, scale_factor=2.0, mode="nearest"))
-                              + _unfold_up(f, cout), x)
-        return _per_frame(lambda f: self.resample(F.interpolate(f, scale_factor=2.0,
-                                                                mode="nearest")), x)
+        w4, b4 = subpixel_weights(self.resample.weight, self.resample.bias)
+
+        def up(f: torch.Tensor) -> torch.Tensor:  # = resample(nearest ×2 (f)) [+ _unfold_up(f, cout)]
+            y = F.conv2d(f, w4.to(f.dtype), None if b4 is None else b4.to(f.dtype), padding=1)
+            if self.shortcut:
+                y = y + f.repeat_interleave(4 * cout // f.shape[1], dim=1)
+            return F.pixel_shuffle(y, 2)
+
+        return _per_frame(up, x)
 
 
 class Head(nn.Module):

@@ -23,6 +23,7 @@ Errors are JSON `{"error": message}` with a proper status, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from avatarstream.engine.pipeline import ModelSet
+from avatarstream.engine.pipeline import ModelSet, PipelineConfig
 from avatarstream.errors import AvatarStreamError
 from avatarstream.serve.avatars import AvatarStore, UnsupportedUploadError, UploadLimits
 from avatarstream.serve.openapi import openapi_schema
@@ -42,6 +43,20 @@ from avatarstream.serve.sessions import SessionManager
 from avatarstream.serve.tts import TextToSpeech
 
 log = logging.getLogger(__name__)
+
+# Live chunks are at most 0.8 s = 5 latent frames (2 of them the prefix overlap: 0.48 s of new
+# video). The first speech frame waits for one chunk's audio and compute: with the bundled model's
+# own 1.28 s chunks (0.96 s new) a 2-core CPU measured ~2.4 s to the first frame, with these ~1.4 s,
+# at the same load within noise (README, Serve).
+LIVE_SECONDS_PER_CHUNK = 0.8
+
+
+def live_chunk(config: PipelineConfig, seconds: float | None) -> int:
+    """Latent frames per chunk a live server runs: `seconds` exactly, or (None) the model's own
+    capped at LIVE_SECONDS_PER_CHUNK."""
+    if seconds is not None:
+        return config.chunk_for_seconds(seconds)
+    return min(config.chunk, config.chunk_for_seconds(LIVE_SECONDS_PER_CHUNK))
 
 
 @dataclass
@@ -58,6 +73,9 @@ class ServerConfig:
     max_text_chars: int = 2000
     piper_voice: str | None = None
     batching: bool = True
+    # chunk length of every session and render, prefix overlap included; None: the model's own,
+    # capped at LIVE_SECONDS_PER_CHUNK
+    seconds_per_chunk: float | None = None
 
 
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
@@ -235,6 +253,7 @@ def make_app(models: ModelSet, config: ServerConfig) -> web.Application:
     """The aiohttp application serving `models` with state under `config.data_dir`."""
     from avatarstream.serve import routes_renders, routes_sessions
 
+    models.config = dataclasses.replace(models.config, chunk=live_chunk(models.config, config.seconds_per_chunk))
     c = models.config
     app = web.Application(client_max_size=config.limits.max_bytes + 1024, middlewares=[json_errors])
     app[CONFIG] = config

@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="WebRTC playout delay in seconds (default: from the measured chunk time)")
     p.add_argument("--lead", type=float, default=0.3,
                    help="how far (s) a session's timeline may run ahead of the wall clock")
+    p.add_argument("--seconds-per-chunk", type=float, default=None,
+                   help="chunk length in seconds of video, prefix overlap included (default: the "
+                        "model's own, at most 0.8 s = 5 latent frames; the first speech frame waits "
+                        "for one chunk's audio and compute, so shorter chunks start sooner)")
     p.add_argument("--no-batching", action="store_true",
                    help="run every session's chunks on their own (for comparison)")
     p.add_argument("--piper-voice", default=None, metavar="MODEL.onnx",
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         session=LiveSessionConfig(idle_timeout_s=args.idle_timeout, lead_s=args.lead),
         max_sessions=args.max_sessions, playout_delay_s=args.playout_delay,
         piper_voice=args.piper_voice, batching=not args.no_batching,
+        seconds_per_chunk=args.seconds_per_chunk,
     )
     app = make_app(load_model(model), config)
     log.info("serving %s on http://%s:%d (data in %s)", model, args.host, args.port,

@@ -12,6 +12,9 @@ received) and reports, as one JSON object on its last line:
 - `ttff_s`: from the first audio packet (or the text) leaving the client to the arrival of the
   first video frame of the speech (the frame at the media time the server's `speech_started`
   event names, mapped onto the tracks by the `playout` event);
+- `ttff_voice_s`: the same from the first audio packet the server counts as speech (louder than
+  its pause threshold, -50 dBFS; the packets of silence a file or microphone starts with are not
+  spoken yet); equal to `ttff_s` for text;
 - `fps`: video frames received per second;
 - `av_offset_ms`: arrival time of video minus arrival time of the audio of the same media
   instant (median over the last 10 s; > 0: video late);
@@ -138,6 +141,9 @@ async def _speak(ws: Any, rec: Received, marks: dict, text: str | None, voice: s
             await ws.send_json({"type": "clear_buffer"})
         return
     from avatarstream.media.audio import read_all
+    from avatarstream.serve.session import LiveSessionConfig
+
+    silence_rms = LiveSessionConfig.silence_rms  # what the server counts as a pause
 
     x = read_all(audio) if isinstance(audio, Path) else np.asarray(audio, np.float32)
     pcm = (np.clip(x, -1, 1) * 32767).astype("<i2")
@@ -150,6 +156,8 @@ async def _speak(ws: Any, rec: Received, marks: dict, text: str | None, voice: s
             marks["clear_sent"] = time.monotonic()
             await ws.send_json({"type": "clear_buffer"})
             break
+        if "voice_sent" not in marks and _rms(x[pos : pos + packet]) >= silence_rms:
+            marks["voice_sent"] = time.monotonic()  # the server's speech starts with this packet
         await ws.send_bytes(pcm[pos : pos + packet].tobytes())
         await asyncio.sleep(max(0.0, t0 + (i + 1) * packet / 16000 - time.monotonic()))
         slow = len([e for _, e in rec.events if e.get("type") == "slow_down"])
@@ -275,3 +283,7 @@ def run(args: argparse.Namespace) -> dict:
         raise InputError(f"cannot talk to the server at {args.server}: {e}") from e
     summary["out"] = str(out)
     return summary
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if x.size else 0.0

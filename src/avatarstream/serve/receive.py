@@ -214,6 +214,7 @@ def summarize(rec: Received, marks: dict[str, float]) -> dict:
         hit = np.flatnonzero(vt >= tau - 1e-6)
         if hit.size:
             out["ttff_s"] = round(float(vw[hit[0]] - marks["speech_sent"]), 3)
+            out["ttff_voice_s"] = round(float(vw[hit[0]] - marks.get("voice_sent", marks["speech_sent"])), 3)
             out["speech_track_s"] = round(tau, 3)
     # A/V offset from packet arrivals (the stream itself), and from decoded frames (what a
     # player that shows frames as aiortc decodes them would see, its jitter buffers included).
