@@ -18,8 +18,8 @@ from avatarstream.cli import main
 from avatarstream.data import Clip, DatasetConfig, clip_specs
 from avatarstream.data.shards import write_video
 from avatarstream.eval.experts import load_experts
-from avatarstream.eval.metrics import (boundary_smoothness, face_track, reference_embedding, silent_frames,
-                                       sync_distances, sync_scores, trimmed_mean)
+from avatarstream.eval.metrics import (boundary_smoothness, face_track, latent_cadence, reference_embedding,
+                                       seam_vs_cadence, silent_frames, sync_distances, sync_scores, trimmed_mean)
 from avatarstream.eval.report import write_png
 
 SPF = 640  # audio samples per video frame (16 kHz / 25 fps)
@@ -85,6 +85,17 @@ def test_silence_and_metric_helpers(case):
     assert np.mean((tr.states[silent, 7] < 0.15) == truth) >= 0.9
     assert trimmed_mean([0, 1, 1, 1, 1, 1, 1, 1, 1, 100]) == 1.0
     assert boundary_smoothness(np.array([0, 1, 1, 1, 5, 1, 1, 1.0]), [0, 4]) == pytest.approx(5.001 / 1.001)
+    # a picture that steps once a latent (4 frames) and holds between: cadence 4 / 1; the chunk
+    # seam (frame 9) no jumpier than the other latent starts (5, 13): seam_vs_cadence 1
+    steps = np.array([0, 1, 1, 1, 1, 4, 1, 1, 1, 4, 1, 1, 1, 4, 1, 1, 1.0])
+    assert latent_cadence(steps) == pytest.approx(4.001 / 1.001)
+    assert seam_vs_cadence(steps, [0, 9]) == pytest.approx(1.0)
+    steps[9] = 8.0  # a seam twice the cadence's step
+    assert seam_vs_cadence(steps, [0, 9]) == pytest.approx(8.001 / 4.001)
+    assert latent_cadence(np.ones(20)) == pytest.approx(1.0)  # smooth motion: no cadence
+    # a window starting at stream frame 2 (a later drift window): latent starts at window frames 3, 7, ...
+    assert latent_cadence(steps[2:], first=2) == pytest.approx(latent_cadence(steps[:15]))
+    assert latent_cadence(steps[2:]) == pytest.approx(1.0, abs=0.01)  # read at the wrong places: no cadence seen
     d = np.full(31, 2.0)
     d[12] = 1.0  # best audio window at o = -3
     assert sync_scores(d) == {"sync_c": 1.0, "sync_d": 1.0, "offset_frames": 3}

@@ -321,6 +321,33 @@ def test_cfg_distilled_student_takes_the_scales_as_inputs(trained, dataset, tmp_
     assert min(cos) > 0.15 and 1 / 3 < min(ratio) and max(ratio) < 3, (cos, ratio)
 
 
+def test_cfg_distill_skips_the_unguided_teacher_pass_at_reference_scale_one(trained, dataset):
+    """With every reference scale 1, v(∅, ∅) cancels out of the target (v(∅, r) + a·(v(a, r) −
+    v(∅, r))), so the teacher runs two passes, not three."""
+    from avatarstream.train.tasks import make_task
+
+    init = needs("cfg-distill-tiny", trained)
+    calls, losses_ = {}, {}
+    for rmax in (1.0, 2.0):
+        over = {**FAST["cfg-distill-tiny"], **init, "cfg-distill__ref_scale_min": 1.0,
+                "cfg-distill__ref_scale_max": rmax}
+        task = make_task(recipe("cfg-distill-tiny", dataset, **over), torch.device("cpu"))
+        task.after_init()
+        n = [0]
+        predict = task.predict
+
+        def counting(dit, b, **kw):  # type: ignore[no-untyped-def]
+            n[0] += dit is task.nets["teacher"]
+            return predict(dit, b, **kw)
+
+        task.predict = counting  # type: ignore[method-assign]
+        with torch.no_grad():
+            losses_[rmax] = float(task.loss(torch.Generator().manual_seed(3))[0])
+        calls[rmax] = n[0]
+    assert calls == {1.0: 2, 2.0: 3}
+    assert torch.isfinite(torch.tensor(losses_[1.0]))
+
+
 # -- command line ---------------------------------------------------------------------------------
 def test_cli_user_errors(tmp_path, capsys, dataset):
     from avatarstream.cli import main

@@ -161,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 bar.total = total
             bar.update(done - bar.n)
             media = done / cfg.fps
-            bar.set_postfix(fps=f"{done / elapsed:.1f}", rtf=f"{elapsed / media:.2f}" if media else "-")
+            bar.set_postfix(fps=f"{done / elapsed:.1f}", speed=f"{media / elapsed:.2f}x" if elapsed else "-")
         if args.events:
             print(json.dumps({"event": "chunk", "frames_published": done,
                               "durable_frames": sinks[0].durable_frames}), file=sys.stderr, flush=True)
@@ -210,7 +210,10 @@ def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path) -> int:
 def _print_summary(r: dict) -> None:
     ttff = "-" if r["ttff_s"] is None else f"{r['ttff_s']:.2f} s"
     print(f"wrote {r['out']}: {r['frames']} frames ({r['duration_s']:.2f} s) in {r['wall_s']:.1f} s")
-    print(f"  time to first frame {ttff} | {r['fps']:.1f} fps | real-time factor {r['rtf']:.2f} "
+    # "rtf" in the JSON is wall seconds per media second (< 1: faster than real time), the inverse
+    # of `bench realtime`'s rtf; the line says it both ways so neither is misread
+    speed = f"{1 / r['rtf']:.2f}× real time ({r['rtf']:.2f} s per media second)" if r["rtf"] else "-"
+    print(f"  time to first frame {ttff} | {r['fps']:.1f} fps | {speed} "
           f"| peak memory {r['peak_rss_mb']:.0f} MB")
     stages = " | ".join(f"{k} {v:.0f} ms" for k, v in r["stage_ms"].items())
     print(f"  per chunk: {stages} | reference {r['reference_ms']:.0f} ms once")

@@ -159,13 +159,14 @@ class WindowSink:
         rows, lab0 = [], None
         for lo, hi, frames, starts, rss, held in self.done:
             ev = evaluate(frames, self.audio_of(lo, hi), self.reference, self.experts,
-                          chunk_starts=[0, *starts] if starts else None)
+                          chunk_starts=[0, *starts] if starts else None, first_frame=lo)
             lab = face_lab(frames, ev.tracks["states"])
             lab0 = lab if lab0 is None else lab0
             m = ev.metrics
             rows.append({"start_s": lo / self.fps, "end_s": hi / self.fps, "face_sim": m["face_sim"],
                          "sync_c": m["sync_c"], "color_shift": float(np.linalg.norm(lab - lab0)),
                          "boundary_smoothness": m["boundary_smoothness"],
+                         "seam_vs_cadence": m["seam_vs_cadence"], "latent_cadence": m["latent_cadence"],
                          "face_lab": [round(float(v), 3) for v in lab], "rss_mb": round(rss, 1),
                          "held_frames_mb": round(held, 1)})
         return rows

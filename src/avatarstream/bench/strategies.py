@@ -4,6 +4,8 @@ strategy in its own process).
 
 Per strategy: chunk-boundary smoothness (`eval.metrics.boundary_smoothness`: mean frame change at
 chunk seams over the median change inside chunks, 1 = seamless; mean over the scoring windows),
+the same seams against the VAE's other latent starts (`seam_vs_cadence`) and that 4-frame cadence
+itself (`latent_cadence`),
 drift (FaceSim and Sync-C of the last 10 s window against the first, relative change; face colour
 ΔE*76 of the last window against the first), fps and time to first frame of the run, peak memory
 (VmHWM) and resident memory at the first and last window (growth = last - first, less the
@@ -42,6 +44,8 @@ def summarise(r: dict[str, Any]) -> dict[str, Any]:
     w = r["windows"]
     return {
         "boundary_smoothness": _mean([x["boundary_smoothness"] for x in w]),
+        "seam_vs_cadence": _mean([x.get("seam_vs_cadence") for x in w]),
+        "latent_cadence": _mean([x.get("latent_cadence") for x in w]),
         "face_sim_first": w[0]["face_sim"], "face_sim_last": w[-1]["face_sim"],
         "face_sim_change": _change(w, "face_sim"),
         "sync_c_first": w[0]["sync_c"], "sync_c_last": w[-1]["sync_c"],
@@ -69,6 +73,8 @@ def markdown(result: dict[str, Any]) -> str:
     rows = result["strategies"]
     lw = rows["causal"]["last_window"]
     keys = [("boundary_smoothness", "chunk-boundary smoothness (1 = seamless)", 3),
+            ("seam_vs_cadence", "chunk seams / the VAE's other latent starts (1 = seams no jumpier)", 3),
+            ("latent_cadence", "latent cadence: change at latent starts / median (1 = no 4-frame stutter)", 3),
             ("face_sim_first", "FaceSim, 0–10 s", 3),
             ("face_sim_last", f"FaceSim, {lw[0]:g}–{lw[1]:g} s", 3),
             ("face_sim_change", "FaceSim change, last vs first window", 3),

@@ -45,7 +45,7 @@ REFERENCE_MODES = ("video", "frame")
 MAX_STEPS = 64
 NOMINAL_CHUNK = 32  # frames: seams assumed for baselines, which have no chunks of their own
 SUMMARY_KEYS = ("sync_c", "sync_d", "face_sim", "style_error", "silence_mouth_closed", "boundary_smoothness",
-                "psnr", "ssim", "fps", "ttff_s")
+                "latent_cadence", "seam_vs_cadence", "psnr", "ssim", "fps", "ttff_s")
 
 
 class CollectSink:

@@ -19,6 +19,12 @@ Definitions (Avatar V §7.2, Live Avatar §5 and §9):
   pitch, roll deviation, degrees), blink rate (closures per minute).
 - boundary_smoothness: mean frame-to-frame change at chunk boundaries over the median change
   inside chunks (1 = seamless; > 1 a visible jump at the seams).
+- latent_cadence: mean change into frames 4k + 1 (where the causal VAE's latent frames start: one
+  latent decodes 4 frames) over the median change into the other frames; 1 = no 4-frame cadence,
+  > 1 = the picture steps once a latent and holds between (a stutter at 6.25 Hz). Chunks start on
+  latent boundaries, so this is the floor of boundary_smoothness for a latent-video model.
+- seam_vs_cadence: mean change at chunk boundaries over the mean change at the latent boundaries
+  inside chunks: the chunk seams alone, the VAE's cadence divided out (1 = seams no jumpier).
 - psnr / ssim against a ground-truth render (the generated frames resized to its size).
 """
 
@@ -210,6 +216,30 @@ def boundary_smoothness(changes: np.ndarray, starts: list[int]) -> float | None:
     return float((np.mean(changes[b]) + 1e-3) / (np.median(inner) + 1e-3)) if inner.size else None
 
 
+def latent_cadence(changes: np.ndarray, first: int = 0) -> float | None:
+    """Mean change into stream frames 4k + 1 (k ≥ 1) over the median change into the other frames;
+    changes[i]: into frame i of a window whose frame 0 is stream frame `first`."""
+    idx = np.arange(1, len(changes))
+    pos = idx + first
+    at = idx[(pos % 4 == 1) & (pos > 1)]
+    rest = idx[pos % 4 != 1]
+    if not at.size or not rest.size:
+        return None
+    return float((np.mean(changes[at]) + 1e-3) / (np.median(changes[rest]) + 1e-3))
+
+
+def seam_vs_cadence(changes: np.ndarray, starts: list[int], first: int = 0) -> float | None:
+    """Mean change at chunk starts over the mean change at the other latent boundaries (stream
+    frames 4k + 1; `first` as in latent_cadence)."""
+    b = sorted({int(s) for s in starts if 0 < s < len(changes)})
+    idx = np.arange(1, len(changes))
+    idx = idx[((idx + first) % 4 == 1) & (idx + first > 1)]
+    inner = np.setdiff1d(idx, b)
+    if not b or not inner.size:
+        return None
+    return float((np.mean(changes[b]) + 1e-3) / (np.mean(changes[inner]) + 1e-3))
+
+
 def _gauss(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
     g = torch.exp(-((torch.arange(size) - size // 2).float() ** 2) / (2 * sigma ** 2))
     g = g / g.sum()
@@ -270,8 +300,10 @@ def reference_embedding(ex: Experts, reference: np.ndarray, max_frames: int = 16
 
 def evaluate(frames: np.ndarray, audio: np.ndarray, reference: np.ndarray, ex: Experts, *,
              ground_truth: np.ndarray | None = None, chunk_starts: list[int] | None = None,
-             reference_reads: tuple[torch.Tensor, np.ndarray] | None = None) -> Evaluation:
-    """All metrics of one video.
+             reference_reads: tuple[torch.Tensor, np.ndarray] | None = None,
+             first_frame: int = 0) -> Evaluation:
+    """All metrics of one video (`first_frame`: the stream index of its frame 0, for a window of a
+    longer stream: where the latent boundaries of `latent_cadence` fall).
 
     frames [F, H, W, 3] uint8 at 25 fps; audio [N] float32 16 kHz (its start is frame 0's start);
     reference [F_r, h, w, 3] uint8 (an image: F_r = 1, then no style_error); ground_truth
@@ -300,6 +332,8 @@ def evaluate(frames: np.ndarray, audio: np.ndarray, reference: np.ndarray, ex: E
     met["silence_mouth_closed"] = float(closed[silent].mean()) if silent.any() else None
     changes = frame_changes(frames)
     met["boundary_smoothness"] = boundary_smoothness(changes, chunk_starts) if chunk_starts else None
+    met["latent_cadence"] = latent_cadence(changes, first_frame)
+    met["seam_vs_cadence"] = seam_vs_cadence(changes, chunk_starts, first_frame) if chunk_starts else None
     psnr = ssim = pidx = None
     if ground_truth is not None:
         m = min(n, len(ground_truth))

@@ -155,12 +155,15 @@ def write_report(out: Path, summary: dict[str, Any], cases: list[dict[str, Any]]
     (out / "report.json").write_text(json.dumps(summary, indent=1, default=float))
     md = [f"# {title}", "", "| metric | value |", "| --- | --- |"]
     md += [f"| {k} | {_fmt(summary.get(k))} |" for k in KEYS if k in summary]
-    extra = [k for k in ("ssim", "model", "split", "seed", "clips", "seconds") if k in summary]
+    extra = [k for k in ("latent_cadence", "seam_vs_cadence", "ssim", "model", "split", "seed", "clips", "seconds")
+             if k in summary]
     md += [f"| {k} | {_fmt(summary.get(k))} |" for k in extra]
     md += ["", "Sync-C ↑, Sync-D ↓ (distances on the unit sphere, 0..2), offset in frames (syncnet_python sign: "
            "audio late against video is negative), FaceSim ↑ (cosine), style error ↓ (mean relative error of "
            "mouth amplitude, head sway, blink rate), silence: share of silent frames with a closed mouth ↑, "
-           "boundary smoothness: change at chunk seams / median change (1 = seamless), PSNR (dB) ↑ against the "
+           "boundary smoothness: change at chunk seams / median change (1 = seamless), latent cadence: change "
+           "where a latent frame's 4 frames start / median change (1 = no 4-frame stutter), seam vs cadence: change "
+           "at chunk seams / at the other latent starts (1 = seams no jumpier than the VAE's cadence), PSNR (dB) ↑ against the "
            "ground-truth render; per-frame metrics at 2 fps, 10% trimmed means; FPS and TTFF as Live Avatar §10 "
            "(whole pipeline, from start to first published frame)."]
     if cases:
