@@ -240,6 +240,7 @@ def playout_delay(models: ModelSet, step_s: float, lead_s: float) -> float:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     sched = app[SCHEDULER]
     await asyncio.to_thread(_measure, app[MODELS], app[CONFIG], sched, app[SESSIONS])
+    await asyncio.to_thread(app[TTS].warm)
     sched.start()
     task = asyncio.create_task(_reaper(app))
     yield

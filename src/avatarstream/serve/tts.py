@@ -12,6 +12,7 @@ result is float32 mono at 16 kHz.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from avatarstream.errors import InputError
 DEFAULT_VOICE = "espeak:en-us+f2"
 SAMPLE_RATE = 16000
 MAX_CHARS = 2000
+
+log = logging.getLogger(__name__)
 
 
 def trim_leading_silence(x: np.ndarray, *, threshold: float = 0.01, keep_s: float = 0.02,
@@ -48,6 +51,14 @@ class TextToSpeech:
         if self.piper_voice is not None:
             out.append({"id": "piper", "engine": "piper", "language": "?"})
         return out
+
+    def warm(self) -> None:
+        """Load the built-in engine now (the server's start-up), not on the first request: its
+        first synthesis would add to that session's time to first frame."""
+        try:
+            self.speak("Hello.")
+        except Exception:  # noqa: BLE001 - a missing engine is reported by the request that needs it
+            log.warning("text to speech is not available", exc_info=True)
 
     def speak(self, text: str, voice: str | None = None) -> np.ndarray:
         """Speech for `text` (float32 [N] at 16 kHz). InputError for empty/too long text or an
