@@ -229,7 +229,10 @@ def test_upsampler_on_the_small_picture_equals_nearest_then_conv(shortcut):
     the same sums in another order. Tolerance: 1e-12 in float64, 1e-5 relative in float32."""
     import torch.nn.functional as F
 
-    from avatarstream.models.vae import Upsample, _unfold_up
+    from avatarstream.models.vae import Upsample
+
+    def unfold_up(x, cout):  # the parameter-free shortcut: channels repeated, pixel-shuffled ×2
+        return F.pixel_shuffle(x.repeat_interleave(4 * cout // x.shape[1], dim=1), 2)
 
     torch.manual_seed(0)
     up = Upsample(32, 16, temporal=True, shortcut=shortcut).double()
@@ -245,7 +248,7 @@ def test_upsampler_on_the_small_picture_equals_nearest_then_conv(shortcut):
         f = y.transpose(1, 2).reshape(-1, c, h, w)
         out = up.resample(F.interpolate(f, scale_factor=2.0, mode="nearest"))
         if shortcut:
-            out = out + _unfold_up(f, 16)
+            out = out + unfold_up(f, 16)
         return out.reshape(b, -1, 16, 2 * h, 2 * w).transpose(1, 2)
 
     with torch.no_grad():

@@ -81,7 +81,7 @@ class VAEConfig:
     # parameter-free residual shortcuts around every resampler and the latent bottleneck
     # (space/time folded into channels and averaged down; channels duplicated and unfolded up),
     # as in DC-AE and the Wan 2.2 VAE: the convolutions learn a residual over a path that
-    # already carries the low frequencies (see `_fold_down` / `_unfold_up`)
+    # already carries the low frequencies (see `_fold_down` and `Upsample`)
     shortcuts: bool = False
 
     def __post_init__(self) -> None:
@@ -258,12 +258,6 @@ def _fold_down(x: torch.Tensor, cout: int) -> torch.Tensor:
     return y.reshape(n, cout, c // cout, h, w).mean(dim=2)
 
 
-def _unfold_up(x: torch.Tensor, cout: int) -> torch.Tensor:
-    """Spatial shortcut of an upsampler: x [N, C, h, w] -> channels repeated to 4·cout -> pixel
-    shuffle ×2 -> [N, cout, 2h, 2w]."""
-    return F.pixel_shuffle(x.repeat_interleave(4 * cout // x.shape[1], dim=1), 2)
-
-
 # Nearest ×2 upsampling then a 3×3 conv (padding 1), computed on the small picture: output pixel
 # (2i + a, 2j + b) sees input rows i-1, i, i (a = 0) or i, i, i+1 (a = 1), so its taps fold into a
 # 3×3 kernel over the input per phase (a, b). _PHASE[a] maps the conv's 3 kernel rows to the input
@@ -365,9 +359,9 @@ class Upsample(nn.Module):
         cout = self.resample.out_channels
         w4, b4 = subpixel_weights(self.resample.weight, self.resample.bias)
 
-        def up(f: torch.Tensor) -> torch.Tensor:  # = resample(nearest ×2 (f)) [+ _unfold_up(f, cout)]
+        def up(f: torch.Tensor) -> torch.Tensor:  # = resample(nearest ×2 (f)) [+ shortcut]
             y = F.conv2d(f, w4.to(f.dtype), None if b4 is None else b4.to(f.dtype), padding=1)
-            if self.shortcut:
+            if self.shortcut:  # channels repeated to 4·cout, unfolded to 2×2 by the shuffle below
                 y = y + f.repeat_interleave(4 * cout // f.shape[1], dim=1)
             return F.pixel_shuffle(y, 2)
 

@@ -254,7 +254,9 @@ def make_app(models: ModelSet, config: ServerConfig) -> web.Application:
     """The aiohttp application serving `models` with state under `config.data_dir`."""
     from avatarstream.serve import routes_renders, routes_sessions
 
-    models.config = dataclasses.replace(models.config, chunk=live_chunk(models.config, config.seconds_per_chunk))
+    # the server's own copy of the model set (same networks), with the live chunk length
+    models = dataclasses.replace(models, config=dataclasses.replace(
+        models.config, chunk=live_chunk(models.config, config.seconds_per_chunk)))
     c = models.config
     app = web.Application(client_max_size=config.limits.max_bytes + 1024, middlewares=[json_errors])
     app[CONFIG] = config
