@@ -216,13 +216,19 @@ def boundary_smoothness(changes: np.ndarray, starts: list[int]) -> float | None:
     return float((np.mean(changes[b]) + 1e-3) / (np.median(inner) + 1e-3)) if inner.size else None
 
 
+def _latent_starts(n: int, first: int) -> np.ndarray:
+    """Indices i in 1..n-1 of a window (frame 0 = stream frame `first`) whose stream frame is a
+    latent start 4k + 1, k ≥ 1 (changes[i]: the change into frame i)."""
+    idx = np.arange(1, n)
+    return idx[((idx + first) % 4 == 1) & (idx + first > 1)]
+
+
 def latent_cadence(changes: np.ndarray, first: int = 0) -> float | None:
     """Mean change into stream frames 4k + 1 (k ≥ 1) over the median change into the other frames;
     changes[i]: into frame i of a window whose frame 0 is stream frame `first`."""
+    at = _latent_starts(len(changes), first)
     idx = np.arange(1, len(changes))
-    pos = idx + first
-    at = idx[(pos % 4 == 1) & (pos > 1)]
-    rest = idx[pos % 4 != 1]
+    rest = idx[(idx + first) % 4 != 1]
     if not at.size or not rest.size:
         return None
     return float((np.mean(changes[at]) + 1e-3) / (np.median(changes[rest]) + 1e-3))
@@ -232,9 +238,7 @@ def seam_vs_cadence(changes: np.ndarray, starts: list[int], first: int = 0) -> f
     """Mean change at chunk starts over the mean change at the other latent boundaries (stream
     frames 4k + 1; `first` as in latent_cadence)."""
     b = sorted({int(s) for s in starts if 0 < s < len(changes)})
-    idx = np.arange(1, len(changes))
-    idx = idx[((idx + first) % 4 == 1) & (idx + first > 1)]
-    inner = np.setdiff1d(idx, b)
+    inner = np.setdiff1d(_latent_starts(len(changes), first), b)
     if not b or not inner.size:
         return None
     return float((np.mean(changes[b]) + 1e-3) / (np.mean(changes[inner]) + 1e-3))
