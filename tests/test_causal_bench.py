@@ -75,3 +75,25 @@ def test_bench_tpp_json(capsys):
     assert r["fps_pipeline"] > 0 and r["fps_sequential"] > 0 and r["cores"] == 1
     assert r["speedup"] == pytest.approx(r["fps_pipeline"] / r["fps_sequential"], rel=0.01)
     assert main(["bench", "tpp", "--workers", "9", "--model", "tiny-random"]) == 2
+
+
+def test_bench_strategies_json_and_table(tmp_path, capsys):
+    """`bench strategies`: one rollout per strategy, the summary keys, the Markdown table written
+    (with hand-written notes below it kept) and the causal column's model named when it differs."""
+    from avatarstream.bench.strategies import markdown
+    from avatarstream.cli import main
+
+    doc = tmp_path / "strategies.md"
+    doc.write_text("old table\n\n## Notes\nkept\n")
+    assert main(["bench", "strategies", "--model", "tiny-random", "--causal-model", "tiny-random",
+                 "--seconds", "10", "--write", str(doc), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(r["strategies"]) == {"prefix", "interp", "causal"}
+    assert r["models"] == {"prefix": "tiny-random", "interp": "tiny-random", "causal": "tiny-random"}
+    for row in r["strategies"].values():
+        assert row["fps"] > 0 and row["boundary_smoothness"] is not None and row["last_window"] == [0.0, 10.0]
+    text = doc.read_text()
+    assert "| prefix | interp | causal |" in text and text.endswith("## Notes\nkept\n")
+    assert "old table" not in text and "--causal-model" not in text
+    r["models"]["causal"] = "weights/causal-student"
+    assert "| prefix | interp | causal (weights/causal-student) |" in markdown(r)

@@ -173,13 +173,18 @@ def test_blockwise_gradient_accumulation_equals_one_graph(dataset):
     assert den > 0 and num / den < 1e-5
 
 
-def test_rollout_is_the_engine_streaming_computation(dataset):
+@pytest.mark.parametrize("guidance", [None, (6.0, 1.0)])
+def test_rollout_is_the_engine_streaming_computation(dataset, guidance):
     """With History Corrupt off and the last exit step, the training rollout's clean estimates
-    are what the engine's CausalDenoiser (Algorithm 3) produces from the same noise."""
+    are what the engine's CausalDenoiser (Algorithm 3) produces from the same noise, with and
+    without guidance scales as the (CFG-distilled) student's inputs."""
     from avatarstream.engine.causal import CausalDenoiser, CausalSettings
     from avatarstream.engine.module import Module
 
-    task = _dmd_task(dataset, dmd__history_corrupt=0.0)
+    over = {} if guidance is None else {"dmd__guidance": list(guidance)}
+    task = _dmd_task(dataset, dmd__history_corrupt=0.0, **over)
+    if guidance is not None:  # a trained guidance embedding (init_net starts it at zero: no effect)
+        torch.nn.init.normal_(task.nets["dit"].guidance_embedding[2].weight, std=0.5)
     g = step_generator(1, 1)
     b = task.conditions(g)
     gen = task.nets["dit"]
@@ -187,15 +192,22 @@ def test_rollout_is_the_engine_streaming_computation(dataset):
     noise = [(torch.randn(B, C, 3, h, w, generator=g), torch.randn(B, 3, 4, generator=g)) for _ in range(3)]
     with torch.no_grad():
         roll = task.self_forcing_rollout(b, 3, g, noise=noise)
-    den = CausalDenoiser(Module("dit", gen), task.sigmas, CausalSettings(kv_blocks=1))
-    den.start(gen.encode_reference(b["ref_lat"], b["ref_valid"], torch.full((3,), -8.0)))
-    for i in range(3):
-        x, m = den.denoise(*noise[i], audio=b["audio"][:, 3 * i:3 * i + 3], text=b["text"],
-                           text_mask=b["text_mask"], positions=[3 * i, 3 * i + 1, 3 * i + 2], block=i)
-        if i == 0:
-            den.adaptive_attention_sink(x[:, :, :1])
-        assert float((x - roll["x0"][i]).abs().max()) < 1e-4
-        assert float((m - roll["m0"][i]).abs().max()) < 1e-4
+    outs = {}
+    for scales in {None, guidance}:
+        den = CausalDenoiser(Module("dit", gen), task.sigmas, CausalSettings(kv_blocks=1, guidance=scales))
+        den.start(gen.encode_reference(b["ref_lat"], b["ref_valid"], torch.full((3,), -8.0)))
+        outs[scales] = []
+        for i in range(3):
+            x, m = den.denoise(*noise[i], audio=b["audio"][:, 3 * i:3 * i + 3], text=b["text"],
+                               text_mask=b["text_mask"], positions=[3 * i, 3 * i + 1, 3 * i + 2], block=i)
+            if i == 0:
+                den.adaptive_attention_sink(x[:, :, :1])
+            outs[scales].append(x)
+            if scales == guidance:
+                assert float((x - roll["x0"][i]).abs().max()) < 1e-4
+                assert float((m - roll["m0"][i]).abs().max()) < 1e-4
+    if guidance is not None:  # the scales change what the student makes
+        assert float((outs[guidance][0] - outs[None][0]).abs().max()) > 1e-3
     task.nets["dit"].train(True)
 
 
@@ -219,3 +231,49 @@ def test_recipe_errors_are_user_errors(dataset):
         make_task(recipe("df-tiny", dataset, df__chunk=8), torch.device("cpu"))
     with pytest.raises(ConfigError, match="unknown key"):
         recipe("dmd-tiny", dataset, dmd__histroy=1)
+    with pytest.raises(ConfigError, match="df.guidance must be"):
+        make_task(recipe("df-tiny", dataset, df__guidance=[6.0]), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="dmd.teacher_guidance must be"):
+        make_task(recipe("dmd-tiny", dataset, dmd__teacher_guidance=[6.0, -1.0]), torch.device("cpu"))
+
+
+def test_direct_causal_student_trains_exports_and_streams(dataset, tmp_path):
+    """The bundled model's causal chain at tiny size: diffusion forcing of a direct (output-
+    resolution, x0) DiT at guidance (1, 1) lowers its held-out loss; Self-Forcing DMD with the
+    student and the scores at (6, 1) trains; export makes a model whose default strategy is
+    causal, with the DMD run's steps and guidance; the exported folder, named by its path, streams
+    every frame."""
+    import numpy as np
+
+    from avatarstream import registry
+    from avatarstream.engine.pipeline import Pipeline
+    from avatarstream.eval.benchmark import CollectSink
+    from avatarstream.train.export import export
+
+    df_dir, dmd_dir = tmp_path / "df", tmp_path / "dmd"
+    t = run("df-tiny", dataset, df_dir, train__steps=30, train__checkpoint_every=30, df__direct=True,
+            df__guidance=[1.0, 1.0])
+    assert t.task.nets["dit"].config.x0_skip and t.task.nets["dit"].config.patch == (1, 4, 4)
+    fresh = Trainer(recipe("df-tiny", dataset, train__steps=30, df__direct=True, df__guidance=[1.0, 1.0]),
+                    df_dir, progress=False)
+    before = held_out(fresh, "flow")
+    fresh.restore()
+    assert held_out(fresh, "flow") < 0.9 * before
+    run("dmd-tiny", dataset, dmd_dir, train__steps=3, train__checkpoint_every=3, dmd__direct=True,
+        dmd__guidance=[6.0, 1.0], dmd__teacher_guidance=[6.0, 1.0], init__dit=str(df_dir))
+    out = tmp_path / "weights" / "tiny-causal"
+    export([dmd_dir], out, dtype="fp32")
+    pipe = json.loads((out / "config.json").read_text())["pipeline"]
+    assert (pipe["strategy"], pipe["steps"], pipe["block"], pipe["kv_blocks"]) == ("causal", 4, 3, 1)
+    assert (pipe["audio_scale"], pipe["ref_scale"], pipe["guidance_input"]) == (6.0, 1.0, True)
+    assert registry.resolve_model(str(out)) == str(out)  # a weights folder is a model name
+    ms = registry.load_model(str(out))
+    assert ms.refiner is None and ms.config.strategy == "causal" and ms.config.causal_settings().guidance == (6.0, 1.0)
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.rand(1, 3, 64, 64, generator=g) * 255).to(torch.uint8)
+    wave = 0.1 * torch.randn(16000 * 2, generator=g)
+    sink = CollectSink()
+    summary = Pipeline(ms).run(ref, iter(wave.split(3200)), [sink])
+    frames = np.stack(sink.frames)
+    assert frames.shape[1:] == (64, 64, 3) and summary.frames == 50
+    assert frames.std(axis=0).mean() > 0  # the frames move

@@ -124,19 +124,22 @@ def test_eval_user_mistakes_are_one_line_errors(tmp_path, capsys):
     assert main(["eval", "benchmark", "--model", "tiny-random", "--split", "heldout-voice",
                  "--reference", "x.png"]) != 0
     assert main(["eval", "benchmark", "--model", "no-such-model", "--split", "heldout-voice"]) != 0
+    assert main(["eval", "benchmark", "--model", "ground-truth", "--split", "heldout-voice",
+                 "--strategy", "causal"]) != 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln]
-    assert len(err) == 3 and all(ln.startswith("avatarstream: error: ") for ln in err)
+    assert len(err) == 4 and all(ln.startswith("avatarstream: error: ") for ln in err)
 
 
 def test_benchmark_tiny_random_end_to_end(tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "bench"
     rc = main(["eval", "benchmark", "--model", "tiny-random", "--split", "heldout-voice", "--clips", "1",
-               "--seconds", "2", "--out", str(out), "--json"])
+               "--seconds", "2", "--strategy", "causal", "--out", str(out), "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(STABLE) <= set(r)
     assert r["model"] == "tiny-random" and r["clips"] == 1 and r["fps"] > 0 and r["ttff_s"] > 0
+    assert r["strategy"] == "causal"  # the model's own is prefix
     assert json.loads((out / "report.json").read_text())["model"] == "tiny-random"
     assert (out / "report.md").exists() and (out / "case0_mouth.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -113,14 +113,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from avatarstream.media.audio import AudioReader
     from avatarstream.media.reference import load_reference
     from avatarstream.publish.file import FragmentedMP4Sink, check_writable
-    from avatarstream.registry import MODELS, load_model, resolve_model
+    from avatarstream.registry import load_model, model_spec_for, resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     args.model = resolve_model(args.model)
     out = Path(args.out)
     check_writable(out)
-    spec_cfg = MODELS[args.model].pipeline()
+    spec_cfg = model_spec_for(args.model).pipeline()
     overrides = _overrides(spec_cfg, args)
     reference = load_reference(args.reference, size=spec_cfg.hr_size, max_frames=spec_cfg.ref_pixel_frames)
     scene = None

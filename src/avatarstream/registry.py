@@ -88,11 +88,26 @@ def available_models() -> list[str]:
     return sorted(MODELS)
 
 
+def model_spec_for(name: str) -> ModelSpec:
+    """The registered model `name`, or a weights folder `train export` wrote (config.json and the
+    .safetensors), registered under its path the first time it is asked for."""
+    spec = MODELS.get(name)
+    if spec is None and (Path(name) / "config.json").is_file():
+        from avatarstream.train.export import model_spec
+
+        spec = dataclasses.replace(model_spec(Path(name)), name=name)
+        MODELS[name] = spec
+    if spec is None:
+        raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}, "
+                          "or a weights folder made by `avatarstream train export`")
+    return spec
+
+
 def resolve_model(name: str | None) -> str:
-    """A command's --model: the name if it is registered, DEFAULT_MODEL when none was given."""
+    """A command's --model: the name if it is registered (or a weights folder), DEFAULT_MODEL
+    when none was given."""
     name = DEFAULT_MODEL if name is None else name
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}")
+    model_spec_for(name)
     return name
 
 
@@ -100,9 +115,7 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> M
     """Build (and load the weights of) a named model. bf16: autocast the transformers in bf16
     (default: on for the small sizes where bf16 is fast on `device`: 2-3x fp32 on CPUs with
     AVX512-bf16, far slower without; `hardware.bf16_is_fast`)."""
-    spec = MODELS.get(name)
-    if spec is None:
-        raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}")
+    spec = model_spec_for(name)
     torch.manual_seed(spec.seed)
     nets = {
         "dit": VideoRefDiT(spec.dit()),

@@ -92,7 +92,7 @@ def summarise(summary: dict, process_s: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.registry import MODELS, resolve_model
+    from avatarstream.registry import model_spec_for, resolve_model
 
     model = resolve_model(args.model)
     for p in (args.reference, args.audio):
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         if best is None or r["rtf"] > best["rtf"]:
             best = r
     assert best is not None
-    pipe = MODELS[model].pipeline()
+    pipe = model_spec_for(model).pipeline()
     return {**best, "model": model, "steps": args.steps or pipe.steps, "strategy": args.strategy or pipe.strategy,
             "threads": args.threads or os.cpu_count(), "resolution": pipe.hr_size,
             "decode_overlap": not args.decode_inline}

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from avatarstream.bench.drift import COLOR_MEASURE, _change, drift_windows, rollout_in_process
+from avatarstream.engine.schedule import STRATEGIES
 
 HELP = "prefix vs interp vs causal: seam smoothness, drift over a long rollout, fps, TTFF, memory"
-STRATEGIES = ("prefix", "interp", "causal")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None,
                         help="model name (default: the registry's default, the bundled model once it ships)")
+    parser.add_argument("--causal-model", default=None, metavar="NAME",
+                        help="the model the causal strategy runs (a causal student; default: --model)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--write", default=None, metavar="PATH", help="also write the Markdown table here")
 
@@ -86,16 +88,20 @@ def markdown(result: dict[str, Any]) -> str:
             ("peak_rss_mb", "peak memory (MB)", 0),
             ("rss_growth_mb", "resident memory growth, first to last window, less held frames (MB)", 1),
             ("rolling_state_bytes", "rolling state (bytes)", 0)]
+    models = result.get("models", {})
+    names = [s if models.get(s, result["model"]) == result["model"] else f"{s} ({models[s]})" for s in STRATEGIES]
     lines = [f"| measure ({result['model']}, {result['seconds']:g} s, {result['threads']} thread) | "
-             + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
+             + " | ".join(names) + " |", "|---|" + "---|" * len(STRATEGIES)]
     for k, label, nd in keys:
         lines.append(f"| {label} | " + " | ".join(_fmt(rows[s][k], nd) for s in STRATEGIES) + " |")
     return "\n".join(lines)
 
 
 def write_doc(path: Path, result: dict[str, Any]) -> None:
+    causal = result.get("models", {}).get("causal", result["model"])
+    also = f" --causal-model {causal}" if causal != result["model"] else ""
     head = ["# Continuity strategies compared", "",
-            f"Measured by `avatarstream bench strategies --model {result['model']} --seconds "
+            f"Measured by `avatarstream bench strategies --model {result['model']}{also} --seconds "
             f"{result['seconds']:g} --seed {result['seed']} --write {path}` on "
             f"{result['date']} (each strategy one unbroken rollout in its own process, "
             f"{result['threads']} torch thread).", "",
@@ -113,11 +119,13 @@ def run(args: argparse.Namespace) -> dict:
     from avatarstream.registry import resolve_model
 
     args.model = resolve_model(getattr(args, "model", None))
+    causal = resolve_model(getattr(args, "causal_model", None) or args.model)
+    models = {s: causal if s == "causal" else args.model for s in STRATEGIES}
     drift_windows(args.seconds)
     rows = {}
     for s in STRATEGIES:
-        rows[s] = summarise(rollout_in_process(args.model, s, args.seconds, args.seed, {}, threads=args.threads))
-    result = {"strategies": rows, "model": args.model, "seconds": args.seconds, "seed": args.seed,
+        rows[s] = summarise(rollout_in_process(models[s], s, args.seconds, args.seed, {}, threads=args.threads))
+    result = {"strategies": rows, "model": args.model, "models": models, "seconds": args.seconds, "seed": args.seed,
               "threads": args.threads, "date": datetime.date.today().isoformat()}
     if args.write:
         write_doc(Path(args.write), result)

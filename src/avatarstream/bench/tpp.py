@@ -60,11 +60,9 @@ def _generate(args: list[str], cpus: list[int]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.registry import MODELS, available_models
+    from avatarstream.registry import model_spec_for
 
-    if args.model not in MODELS:
-        raise ConfigError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
-    steps = args.steps or MODELS[args.model].pipeline().steps
+    steps = args.steps or model_spec_for(args.model).pipeline().steps
     if not 1 <= args.workers <= steps:
         raise ConfigError(f"--workers must be between 1 and the number of steps ({steps})")
     if args.seconds < 1:

@@ -45,6 +45,15 @@ class CausalSettings:
     adaptive_sink: bool = True  # AAS: the first generated frame replaces the reference as sink
     rolling_rope: bool = True  # the sink's temporal position moves with the attention window
     ref_t_position: float = -8.0  # sink offset from the window's first frame (training geometry)
+    # (audio, reference) scales, the inputs of a CFG-distilled DiT (one pass a step); None: the
+    # DiT's plain conditional prediction (a DiT that is not CFG-distilled runs unguided here)
+    guidance: tuple[float, float] | None = None
+
+    def guidance_tensor(self, batch: int) -> torch.Tensor | None:
+        """`[batch, 2]` scales for `DiTCondition.guidance`, or None."""
+        if self.guidance is None:
+            return None
+        return torch.tensor([self.guidance], dtype=torch.float32).expand(batch, 2)
 
 
 def pack(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -125,6 +134,7 @@ class CausalDenoiser:
         t_pos = torch.tensor([float(p) for p in positions])
         sink = self.sink.at(self.rolling_rope_position(int(positions[0])))
         b, tb = x.shape[0], x.shape[2]
+        guidance = self.settings.guidance_tensor(b)
         for j in self.steps:
             cache = self.caches[j]
             kv_out = []
@@ -132,7 +142,7 @@ class CausalDenoiser:
             def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
                 xs, ms = unpack(flat, x.shape, m.shape)
                 cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
-                                    anchor=self.anchor)
+                                    anchor=self.anchor, guidance=guidance)
                 sig = torch.full((b, tb), float(sigma))
                 out, kv = self.dit.run(causal_block_forward, self.dit.model, xs, sig, cond, sink, cache)
                 kv_out.append(kv)

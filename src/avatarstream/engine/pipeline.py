@@ -107,7 +107,8 @@ class PipelineConfig:
     def causal_settings(self) -> CausalSettings:
         return CausalSettings(block=self.block, kv_blocks=self.kv_blocks,
                               adaptive_sink=self.adaptive_sink, rolling_rope=self.rolling_rope,
-                              ref_t_position=self.ref_t_position)
+                              ref_t_position=self.ref_t_position,
+                              guidance=self.guidance if self.guidance_input else None)
 
 
 @dataclass

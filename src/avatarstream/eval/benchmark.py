@@ -34,6 +34,7 @@ import torch
 
 from avatarstream.data import Clip, ClipSpec, DatasetConfig, clip_specs
 from avatarstream.data.splits import check_split, derive_seed, identity_seeds
+from avatarstream.engine.schedule import STRATEGIES
 from avatarstream.errors import ConfigError, InputError
 from avatarstream.eval.experts import Experts, load_experts
 from avatarstream.eval.metrics import Evaluation, evaluate, reference_embedding
@@ -162,8 +163,9 @@ def load_subject(model: str) -> Any:
         model = model[len(ROUNDTRIP):]
     from avatarstream.registry import MODELS, available_models, load_model
 
-    if model not in MODELS:
-        raise ConfigError(f"unknown model {model!r}; available: {', '.join(BASELINES + tuple(available_models()))}")
+    if model not in MODELS and not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"unknown model {model!r}; available: {', '.join(BASELINES + tuple(available_models()))}, "
+                          "or a weights folder made by `avatarstream train export`")
     return load_model(model)
 
 
@@ -286,15 +288,22 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
 def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int = 3, seed: int = 0,
                   out: Path | None = None, experts: Experts | None = None, plots: bool = True,
                   reference_mode: str = "video", steps: int | None = None,
-                  seconds_per_chunk: float | None = None) -> dict[str, Any]:
+                  seconds_per_chunk: float | None = None, strategy: str | None = None) -> dict[str, Any]:
     """Score `model` on `clips` cases of `split`; writes OUT/report.{json,md} and PNGs when `out`
     is given; returns the summary (stable keys + per-case metrics). `seconds_per_chunk`: run the
-    model with that chunk length instead of its own (the live server's, for instance)."""
+    model with that chunk length instead of its own (the live server's, for instance); `strategy`:
+    with that continuity strategy instead of its own (prefix, interp, causal)."""
     check_bench_args(split, seconds, clips)
     check_run_options(model, reference_mode, steps)
     if seconds_per_chunk is not None and (model in BASELINES or model.startswith(ROUNDTRIP)):
         raise InputError(f"--seconds-per-chunk applies to registry models; {model} is a baseline")
+    if strategy is not None and (model in BASELINES or model.startswith(ROUNDTRIP)):
+        raise InputError(f"--strategy applies to registry models; {model} is a baseline")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise InputError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     models = load_subject(model)
+    if strategy is not None:
+        models.config = dataclasses.replace(models.config, strategy=strategy)
     if seconds_per_chunk is not None:
         models.config = dataclasses.replace(models.config, chunk=models.config.chunk_for_seconds(seconds_per_chunk))
     t0 = time.perf_counter()
@@ -314,6 +323,7 @@ def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int =
                    reference_mode=reference_mode if models is not None else None,
                    steps=(models.config.steps if steps is None else steps) if models is not None else None,
                    chunk=models.config.chunk if models is not None else None,
+                   strategy=models.config.strategy if models is not None else None,
                    wall_s=round(time.perf_counter() - t0, 2),
                    cases=[{k: v for k, v in c.items() if k != "plots"} for c in cases])
     if out is not None:

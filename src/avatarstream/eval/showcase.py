@@ -74,7 +74,6 @@ def _distance_to(mask: np.ndarray) -> np.ndarray:
 def pick_moments(open_: np.ndarray, speaking: np.ndarray) -> tuple[list[int], list[int]]:
     """(2 open frames, 2 closed frames): widest ground-truth openings, and shut frames farthest
     from any speech (pauses rather than the instants between two phones)."""
-    n = len(open_)
     opened = _spread(np.argsort(-open_, kind="stable"), 2, [])
     dist = _distance_to(speaking)
     shut = np.flatnonzero(open_ < 0.05)

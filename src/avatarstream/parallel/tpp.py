@@ -307,7 +307,7 @@ def _worker(rank: int, job: TPPJob, port: int, results: Any) -> None:
     from avatarstream.engine.pipeline import Pipeline
     from avatarstream.media.audio import AudioReader
     from avatarstream.media.reference import load_reference
-    from avatarstream.registry import MODELS, load_model
+    from avatarstream.registry import load_model, model_spec_for
 
     torch.set_num_threads(max(1, job.threads))
     if job.cpus and hasattr(os, "sched_setaffinity"):
@@ -322,7 +322,7 @@ def _worker(rank: int, job: TPPJob, port: int, results: Any) -> None:
     sinks: list[Any] = []
     ok = False
     try:
-        spec_cfg = MODELS[job.model].pipeline()
+        spec_cfg = model_spec_for(job.model).pipeline()
         reference = load_reference(job.reference, size=spec_cfg.hr_size, max_frames=spec_cfg.ref_pixel_frames)
         reader = AudioReader(job.audio, sample_rate=spec_cfg.sample_rate, max_seconds=job.max_audio_seconds)
         models = load_model(job.model, device=device)
@@ -362,11 +362,9 @@ def run_tpp(job: TPPJob) -> dict[str, Any]:
     `split_decode`, `step_shares`)."""
     import torch.multiprocessing as mp
 
-    from avatarstream.registry import MODELS, available_models
+    from avatarstream.registry import model_spec_for
 
-    if job.model not in MODELS:
-        raise ConfigError(f"unknown model {job.model!r}; available: {', '.join(available_models())}")
-    base = MODELS[job.model].pipeline()
+    base = model_spec_for(job.model).pipeline()
     if job.overrides.get("strategy", base.strategy) != "causal":
         _check_causal(base)  # validate before starting anything
     split_steps(job.overrides.get("steps", base.steps), job.workers)

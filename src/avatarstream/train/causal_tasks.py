@@ -43,10 +43,20 @@ from avatarstream.cache.reference import ReferenceCache
 from avatarstream.cache.sink import SinkCache
 from avatarstream.errors import ConfigError
 from avatarstream.models.causal import block_causal_forward, causal_block_forward
-from avatarstream.models.dit import DiTCondition, DiTConfig, VideoRefDiT
+from avatarstream.models.dit import DiTCondition, VideoRefDiT
 from avatarstream.samplers import flow_sigmas
 from avatarstream.train.data import motion_descriptor
-from avatarstream.train.tasks import _LatentTask, _pick, init_net
+from avatarstream.train.tasks import _LatentTask, _pick, dit_config, init_net, x0_floor_weight
+
+
+def guidance_scales(value: Any, key: str) -> tuple[float, float] | None:
+    """A recipe's guidance list: [] -> None, [audio, reference] -> a pair of scales >= 0."""
+    if value in ([], None):
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise ConfigError(f"{key} must be [] or [audio_scale, ref_scale] (two numbers >= 0), got {value!r}")
+    return float(value[0]), float(value[1])
 
 
 def history_corrupt(kv: BlockKV, scale: float, g: torch.Generator) -> BlockKV:
@@ -79,6 +89,13 @@ class _CausalTask(_LatentTask):
         if c["history"] < 0:
             raise ConfigError(f"{self.stage}: history must be >= 0")
         self.blocks = self.T // c["block"]
+        self.guidance = guidance_scales(c["guidance"], f"{self.stage}.guidance")
+
+    def guidance_input(self, scales: tuple[float, float] | None, batch: int) -> torch.Tensor | None:
+        """`[batch, 2]` scales for `DiTCondition.guidance` (None: none)."""
+        if scales is None:
+            return None
+        return torch.tensor([scales], dtype=torch.float32, device=self.device).expand(batch, 2)
 
     def uses(self) -> tuple[str, ...]:
         return ("dit", "audio", "text")
@@ -136,12 +153,14 @@ class DiffusionForcingTask(_CausalTask):
         xs = (1 - s5) * b["x0"] + s5 * eps
         ms = (1 - sig[..., None]) * b["m0"] + sig[..., None] * eps_m
         cond = DiTCondition(motion=ms, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"])
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"],
+                            guidance=self.guidance_input(self.guidance, B))
         pos, index = self.sink_index()
         sinks = [(b["ref_lat"], b["ref_valid"], p) for p in pos]
         out = block_causal_forward(self.nets["dit"], xs, sig, cond, sinks, index, block=blk,
                                    history=c["history"])
         w = self.latent_weight(b["clips"], b["starts"], b["x0"].shape[-1])  # [B, 1, T, h, w]
+        w = w * x0_floor_weight(sig, self.nets["dit"].config.x0_skip)
         loss_v = ((out.velocity.float() - (eps - b["x0"])).square() * w).mean()
         loss_m = (out.motion_velocity.float() - (eps_m - b["m0"])).square().mean()
         total = loss_v + c["motion"] * loss_m
@@ -162,7 +181,8 @@ class SelfForcingDMDTask(_CausalTask):
         c = self.cfg
         if c["steps"] < 1 or not 0 <= c["sigma_min"] < c["sigma_max"] <= 1:
             raise ConfigError("dmd: steps >= 1 and 0 <= sigma_min < sigma_max <= 1 are required")
-        cfg = getattr(DiTConfig, recipe["model"])()
+        cfg = dit_config(recipe["model"], self.direct)
+        self.teacher_guidance = guidance_scales(c["teacher_guidance"], "dmd.teacher_guidance")
         self.nets["teacher"] = VideoRefDiT(cfg)
         self.nets["fake"] = VideoRefDiT(cfg)
         init_net("dit", self.nets["teacher"], recipe["train"]["seed"] * 101 + 77)
@@ -192,7 +212,8 @@ class SelfForcingDMDTask(_CausalTask):
         blk = self.cfg["block"]
         sl = slice(i * blk, (i + 1) * blk)
         return DiTCondition(motion=m, audio=b["audio"][:, sl], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(sl.start, sl.stop, dtype=torch.float32), anchor=b["anchor"])
+                            t_pos=torch.arange(sl.start, sl.stop, dtype=torch.float32), anchor=b["anchor"],
+                            guidance=self.guidance_input(self.guidance, m.shape[0]))
 
     def _placed(self, sink: SinkCache, i: int) -> ReferenceCache:
         c = self.cfg
@@ -269,7 +290,8 @@ class SelfForcingDMDTask(_CausalTask):
         ref = net.encode_reference(b["ref_lat"], b["ref_valid"],
                                    torch.full((b["ref_lat"].shape[2],), float(self.cfg["ref_t_position"])))
         cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"])
+                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"],
+                            guidance=self.guidance_input(self.teacher_guidance, xt.shape[0]))
         s = sigma[:, None].expand(-1, T)
         out = net(xt, s, cond, ref)
         s5 = sigma[:, None, None, None, None]
@@ -342,9 +364,10 @@ class SelfForcingDMDTask(_CausalTask):
                                     torch.full((b["ref_lat"].shape[2],), float(c["ref_t_position"])))
         cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
                             t_pos=torch.arange(self.T, dtype=torch.float32, device=self.device),
-                            anchor=b["anchor"])
+                            anchor=b["anchor"], guidance=self.guidance_input(self.teacher_guidance, B))
         out = fake(xt, sigma[:, None].expand(-1, self.T), cond, ref)
-        loss_f = (out.velocity.float() - (eps - x0)).square().mean()
+        wf = x0_floor_weight(sigma[:, None].expand(-1, self.T), fake.config.x0_skip)
+        loss_f = ((out.velocity.float() - (eps - x0)).square() * wf).mean()
         loss_fm = (out.motion_velocity.float() - (eps_m - m0)).square().mean()
         fake_loss = loss_f + c["motion"] * loss_fm
         logs.update(loss=float(fake_loss.detach()), fake=float(loss_f.detach()), exit_step=s,

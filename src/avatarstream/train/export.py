@@ -7,7 +7,9 @@ its decoder from a decoder fine-tuning run if one is given); a network no run tr
 (e.g. the audio encoder copied into an `sr` run), else it keeps its deterministic initial weights
 and is listed under `untrained` in config.json. All runs must share one model size preset.
 A DiT trained `direct` (a2v `direct = true`: at the output resolution) makes a model without a
-refiner: no `refiner.safetensors`, `pipeline.lr_size` = `hr_size`.
+refiner: no `refiner.safetensors`, `pipeline.lr_size` = `hr_size`. A causal student (a `df` or
+`dmd` run) makes a model whose default strategy is `causal`, with the block, window and guidance
+scales it was trained with (a `dmd` student: its step count too).
 
 Folder: `{dit,refiner,vae,audio,text}.safetensors` + `config.json` = {"model": preset, network
 configs, "pipeline": the preset's PipelineConfig fields, "trained": net -> run, "untrained"}.
@@ -141,6 +143,17 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
         # the DiT takes the CFG scales as inputs: its run's scales are the model's defaults
         pipe = dataclasses.replace(pipe, audio_scale=distill["cfg-distill"]["audio_scale"],
                                    ref_scale=distill["cfg-distill"]["ref_scale"], guidance_input=True)
+    stage = distill.get("stage")
+    if stage in ("df", "dmd"):
+        # a causal student: it streams with the causal strategy, in the block and window it was
+        # trained with, at the guidance scales it was trained with (a DMD student: its steps)
+        c = distill[stage]
+        pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"])
+        if c.get("guidance"):
+            pipe = dataclasses.replace(pipe, audio_scale=float(c["guidance"][0]),
+                                       ref_scale=float(c["guidance"][1]), guidance_input=True)
+        if stage == "dmd" and steps is None:
+            pipe = dataclasses.replace(pipe, steps=c["steps"])
     cfg = {"model": model,
            "configs": {n: dataclasses.asdict(nets[n].cfg if n == "vae" else nets[n].config) for n in NETS if n in nets},
            "pipeline": dataclasses.asdict(pipe), "trained": trained, "dtype": dtype, "frozen_copies": frozen,
@@ -208,7 +221,8 @@ def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-
     def pipeline():  # type: ignore[no-untyped-def]
         """Today's preset, with the inference defaults the export chose (CFG scales, steps, a
         direct model's lr_size)."""
-        keep = {k: stored_pipe[k] for k in ("audio_scale", "ref_scale", "guidance_input", "lr_size", "steps")
+        keep = {k: stored_pipe[k] for k in ("audio_scale", "ref_scale", "guidance_input", "lr_size", "steps",
+                                            "strategy", "block", "kv_blocks")
                 if stored_pipe.get(k) is not None}
         return dataclasses.replace(preset(), **keep)
 

@@ -63,10 +63,17 @@ DEFAULTS["cfg-distill"] = {**DEFAULTS["a2v"], "human_sync": 0.0, "human_identity
 # The causal student (train/causal_tasks.py): diffusion forcing, then Self-Forcing DMD.
 _CAUSAL = {"chunk": 12, "block": 3, "history": 4, "ref_frames": 8, "p_cross_scene": 1.0, "audio_window": 1,
            "p_empty_text": 0.5, "ref_t_position": -8.0, "rolling_rope": True, "logit_mean": 0.0,
-           "logit_std": 1.0, "motion": 0.5}
+           "logit_std": 1.0, "motion": 0.5,
+           # a DiT generating at the output resolution (a2v `direct`); the student's (audio,
+           # reference) guidance scales, inputs of a CFG-distilled DiT ([] = none: its plain
+           # conditional prediction)
+           "direct": False, "guidance": []}
 DEFAULTS["df"] = {**_CAUSAL, "p_shared_sigma": 0.25, "mouth": 2.0, "eyes": 1.0, "radius": 0.06}
 DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigma_max": 0.98,
-                   "history_corrupt": 0.05, "adaptive_sink": True, "blockwise_grad": True, "teacher": ""}
+                   "history_corrupt": 0.05, "adaptive_sink": True, "blockwise_grad": True, "teacher": "",
+                   # scales the real and fake scores get (a CFG-distilled teacher: the guided
+                   # distribution the student is distilled to)
+                   "teacher_guidance": []}
 
 
 def recipe_dirs() -> list[Path]:

@@ -37,6 +37,16 @@ X0_LOSS_FLOOR = 0.25
 GEOMETRY = {"tiny": {"lr_size": 32, "hr_size": 64}, "small": {"lr_size": 128, "hr_size": 256}}
 
 
+def x0_floor_weight(sigma: torch.Tensor, x0_skip: bool) -> torch.Tensor:
+    """Per-frame loss weight `[B, 1, T, 1, 1]` of a velocity error at sigma `[B, T]`: an `x0_skip`
+    DiT's velocity error is its x̂0 error / σ, so below σ = X0_LOSS_FLOOR the weight is
+    (σ / floor)² and the loss there is the x̂0 error / floor², bounded instead of growing as
+    1/σ² (the samplers query σ ≥ 0.25 at 4 steps). Any other DiT: 1."""
+    s = sigma.float()
+    w = (s / s.clamp_min(X0_LOSS_FLOOR)) ** 2 if x0_skip else torch.ones_like(s)
+    return w[:, None, :, None, None]
+
+
 def dit_config(model: str, direct: bool = False) -> DiTConfig:
     """The preset's DiT config; `direct`: it generates at the output (HR) resolution with 2× the
     spatial patch, so a frame has as many tokens as at LR (no SR refiner in the chain)."""
@@ -475,16 +485,10 @@ class A2VTask(_LatentTask):
 
     def flow_losses(self, b: dict[str, Any], v: torch.Tensor, mv: torch.Tensor, v_target: torch.Tensor,
                     mv_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mouth/eye-weighted MSE of v `[B,C,T,h,w]` and MSE of mv `[B,T,Dm]` over generated frames.
-
-        An `x0_skip` DiT's velocity error is its x̂0 error / σ: below σ = X0_LOSS_FLOOR the weight
-        is (σ / floor)² so the loss there is the x̂0 error / floor², bounded instead of growing
-        as 1/σ² (the samplers query σ ≥ 0.25 at 4 steps)."""
+        """Mouth/eye-weighted MSE of v `[B,C,T,h,w]` and MSE of mv `[B,T,Dm]` over generated
+        frames (an `x0_skip` DiT's weighted by `x0_floor_weight`)."""
         gen = (~b["given"]).float()  # [B, T]
-        w = b["weight"] * gen[:, None, :, None, None]
-        if self.nets["dit"].config.x0_skip:
-            s = b["sigma"].float()
-            w = w * ((s / s.clamp_min(X0_LOSS_FLOOR)) ** 2)[:, None, :, None, None]
+        w = b["weight"] * gen[:, None, :, None, None] * x0_floor_weight(b["sigma"], self.nets["dit"].config.x0_skip)
         loss_v = ((v.float() - v_target).square() * w).sum() / (w.sum() * v.shape[1]).clamp_min(1)
         m_err = (mv.float() - mv_target).square().mean(-1)
         return loss_v, (m_err * gen).sum() / gen.sum().clamp_min(1)
