@@ -111,6 +111,7 @@ def test_dmd_trains_generator_and_fake_score(dataset, tmp_path):
     assert {"dmd", "score_gap", "fake", "exit_step"} <= rows[0].keys()
     assert len({r["exit_step"] for r in rows}) > 1
     assert rows[0]["score_gap"] == 0.0 < rows[-1]["score_gap"]  # fake starts as the teacher, then learns
+    assert all(r["gen_update"] == 1 for r in rows)
     fresh = Trainer(recipe("dmd-tiny", dataset, **over), tmp_path / "dmd", progress=False)
     gen0 = {k: v.clone() for k, v in fresh.task.nets["dit"].state_dict().items()}
     fresh.restore()
@@ -277,3 +278,47 @@ def test_direct_causal_student_trains_exports_and_streams(dataset, tmp_path):
     frames = np.stack(sink.frames)
     assert frames.shape[1:] == (64, 64, 3) and summary.frames == 50
     assert frames.std(axis=0).mean() > 0  # the frames move
+
+
+def test_dmd_two_time_scales_update_the_generator_on_some_steps_only(dataset, tmp_path):
+    """fake_updates = 3: the generator gets a DMD gradient on about 1 step in 3 (and its weights
+    move only on those), the fake score on every step."""
+    from avatarstream.train.tasks import make_task
+
+    task = _dmd_task(dataset, dmd__fake_updates=3)
+    gen = dict(task.nets["dit"].named_parameters())
+    fake = dict(task.nets["fake"].named_parameters())
+    task.nets["teacher"] = ZeroDataScore()  # a non-zero DMD gradient from the start
+    flags = []
+    for step in range(9):
+        loss, logs = task.loss(step_generator(0, step))
+        loss.backward()
+        flags.append(logs["gen_update"])
+        assert ("dmd" in logs) == bool(logs["gen_update"])
+        assert any(p.grad is not None for p in fake.values())
+        assert any(p.grad is not None for p in gen.values()) == bool(logs["gen_update"])
+        for p in (*gen.values(), *fake.values()):
+            p.grad = None
+    assert 0 < sum(flags) < 9, flags
+    with pytest.raises(Exception, match="fake_updates"):
+        make_task(recipe("dmd-tiny", dataset, dmd__fake_updates=0), torch.device("cpu"))
+
+
+def test_scores_see_the_window_in_pieces(dataset):
+    """score_window = 3 on a 9-frame window: the real score's prediction for the first piece does
+    not depend on the frames of the last piece (each piece is scored on its own, at timeline
+    0..2), while the whole-window score (score_window = 0) does."""
+    changed = {}
+    for window in (0, 3):
+        task = _dmd_task(dataset, dmd__score_window=window)
+        b = task.conditions(step_generator(2, 0))
+        g = torch.Generator().manual_seed(0)
+        xt, mt = torch.randn(b["x0"].shape, generator=g), torch.randn(b["m0"].shape, generator=g)
+        sigma = torch.full((xt.shape[0],), 0.7)
+        with torch.no_grad():
+            x0a, _ = task._score(task.nets["teacher"], b, xt, mt, sigma)
+            xt2 = xt.clone()
+            xt2[:, :, 6:] += 1.0
+            x0b, _ = task._score(task.nets["teacher"], b, xt2, mt, sigma)
+        changed[window] = float((x0a[:, :, :3] - x0b[:, :, :3]).abs().max())
+    assert changed[3] == 0.0 and changed[0] > 1e-4, changed

@@ -28,8 +28,10 @@ the generator's own samples). Per iteration (Algorithm 2):
    the full-graph gradient (`blockwise_grad = false` runs Algorithm 1's single graph; a test
    checks the two agree).
 The fake score's flow-matching loss on the (detached) samples is the loss handed back to the
-trainer; the generator's gradient is already accumulated when it is (both update every step with
-the recipe's learning rate; DMD2's two-timescale schedule is not implemented).
+trainer; the generator's gradient is already accumulated when it is. Two time-scales (DMD2): the
+generator gets its DMD gradient on a random 1 in `fake_updates` iterations (drawn from the step's
+generator, so resume stays exact); on the others only the fake score learns, from a rollout
+without gradients, so it keeps up with the generator's moving distribution.
 """
 
 from __future__ import annotations
@@ -179,8 +181,10 @@ class SelfForcingDMDTask(_CausalTask):
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         super().__init__(recipe, device)
         c = self.cfg
-        if c["steps"] < 1 or not 0 <= c["sigma_min"] < c["sigma_max"] <= 1:
-            raise ConfigError("dmd: steps >= 1 and 0 <= sigma_min < sigma_max <= 1 are required")
+        if (c["steps"] < 1 or not 0 <= c["sigma_min"] < c["sigma_max"] <= 1 or c["fake_updates"] < 1
+                or c["score_window"] < 0):
+            raise ConfigError("dmd: steps >= 1, fake_updates >= 1, score_window >= 0 and "
+                              "0 <= sigma_min < sigma_max <= 1 are required")
         cfg = dit_config(recipe["model"], self.direct)
         self.teacher_guidance = guidance_scales(c["teacher_guidance"], "dmd.teacher_guidance")
         self.nets["teacher"] = VideoRefDiT(cfg)
@@ -283,19 +287,33 @@ class SelfForcingDMDTask(_CausalTask):
         return out
 
     # -- DMD ---------------------------------------------------------------------------------------
-    def _score(self, net: VideoRefDiT, b: dict[str, Any], xt: torch.Tensor, mt: torch.Tensor,
-               sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x0 and motion-x0 predictions of a bidirectional score on the whole window."""
-        T = self.T
+    def _score_velocity(self, net: VideoRefDiT, b: dict[str, Any], xt: torch.Tensor, mt: torch.Tensor,
+                        sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(velocity, motion velocity) of a bidirectional score (teacher or fake) at sigma `[B]`,
+        over the window in pieces of `score_window` frames (0: whole), each placed at timeline
+        0.. as the bidirectional model was trained, so a window longer than its training chunk
+        is never scored at temporal distances it has not seen."""
+        T, n = self.T, self.cfg["score_window"] or self.T
         ref = net.encode_reference(b["ref_lat"], b["ref_valid"],
                                    torch.full((b["ref_lat"].shape[2],), float(self.cfg["ref_t_position"])))
-        cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"],
-                            guidance=self.guidance_input(self.teacher_guidance, xt.shape[0]))
-        s = sigma[:, None].expand(-1, T)
-        out = net(xt, s, cond, ref)
+        vs, mvs = [], []
+        for a in range(0, T, n):
+            sl = slice(a, min(a + n, T))
+            k = sl.stop - sl.start
+            cond = DiTCondition(motion=mt[:, sl], audio=b["audio"][:, sl], text=b["text"], text_mask=b["text_mask"],
+                                t_pos=torch.arange(k, dtype=torch.float32, device=self.device), anchor=b["anchor"],
+                                guidance=self.guidance_input(self.teacher_guidance, xt.shape[0]))
+            out = net(xt[:, :, sl], sigma[:, None].expand(-1, k), cond, ref)
+            vs.append(out.velocity.float())
+            mvs.append(out.motion_velocity.float())
+        return torch.cat(vs, dim=2), torch.cat(mvs, dim=1)
+
+    def _score(self, net: VideoRefDiT, b: dict[str, Any], xt: torch.Tensor, mt: torch.Tensor,
+               sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x0 and motion-x0 predictions of a bidirectional score (see `_score_velocity`)."""
+        v, mv = self._score_velocity(net, b, xt, mt, sigma)
         s5 = sigma[:, None, None, None, None]
-        return xt - s5 * out.velocity.float(), mt - sigma[:, None, None] * out.motion_velocity.float()
+        return xt - s5 * v, mt - sigma[:, None, None] * mv
 
     def dmd_gradient(self, b: dict[str, Any], x0: torch.Tensor, m0: torch.Tensor, g: torch.Generator
                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -342,7 +360,12 @@ class SelfForcingDMDTask(_CausalTask):
         c = self.cfg
         b = self.conditions(g)
         s = _pick(g, c["steps"])  # exit step, shared by every block of this iteration
-        if c["blockwise_grad"]:
+        gen_update = c["fake_updates"] == 1 or _pick(g, c["fake_updates"]) == 0  # two time-scales
+        logs: dict[str, float] = {}
+        if not gen_update:  # the fake score alone learns from the generator's samples
+            with torch.no_grad():
+                roll = self.self_forcing_rollout(b, s, g)
+        elif c["blockwise_grad"]:
             roll = self.self_forcing_rollout(b, s, g)
             gx, gm, logs = self.dmd_gradient(b, roll["x0_all"], roll["m0_all"], g)
             self.blockwise_backward(b, roll, s, gx, gm)
@@ -360,18 +383,13 @@ class SelfForcingDMDTask(_CausalTask):
         xt = (1 - s5) * x0 + s5 * eps
         mt = (1 - sigma[:, None, None]) * m0 + sigma[:, None, None] * eps_m
         fake: VideoRefDiT = self.nets["fake"]
-        ref = fake.encode_reference(b["ref_lat"], b["ref_valid"],
-                                    torch.full((b["ref_lat"].shape[2],), float(c["ref_t_position"])))
-        cond = DiTCondition(motion=mt, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
-                            t_pos=torch.arange(self.T, dtype=torch.float32, device=self.device),
-                            anchor=b["anchor"], guidance=self.guidance_input(self.teacher_guidance, B))
-        out = fake(xt, sigma[:, None].expand(-1, self.T), cond, ref)
+        v, mv = self._score_velocity(fake, b, xt, mt, sigma)
         wf = x0_floor_weight(sigma[:, None].expand(-1, self.T), fake.config.x0_skip)
-        loss_f = ((out.velocity.float() - (eps - x0)).square() * wf).mean()
-        loss_fm = (out.motion_velocity.float() - (eps_m - m0)).square().mean()
+        loss_f = ((v - (eps - x0)).square() * wf).mean()
+        loss_fm = (mv - (eps_m - m0)).square().mean()
         fake_loss = loss_f + c["motion"] * loss_fm
         logs.update(loss=float(fake_loss.detach()), fake=float(loss_f.detach()), exit_step=s,
-                    sample_rms=float(x0.square().mean().sqrt()))
+                    sample_rms=float(x0.square().mean().sqrt()), gen_update=int(gen_update))
         return fake_loss, logs
 
 

@@ -73,7 +73,12 @@ DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigm
                    "history_corrupt": 0.05, "adaptive_sink": True, "blockwise_grad": True, "teacher": "",
                    # scales the real and fake scores get (a CFG-distilled teacher: the guided
                    # distribution the student is distilled to)
-                   "teacher_guidance": []}
+                   "teacher_guidance": [],
+                   # the generator updates on 1 in fake_updates iterations, the fake score on all
+                   "fake_updates": 1,
+                   # the real and fake scores see the window in pieces of this many latent frames
+                   # (0: whole); a bidirectional model trained on chunks of 8 scores 7 well, 21 not
+                   "score_window": 0}
 
 
 def recipe_dirs() -> list[Path]:
