@@ -4,10 +4,13 @@ import pytest
 import torch
 
 
-def test_committed_checkpoint_loads_and_generates(one_thread):
-    """The bundled model (weights/avatarstream-small) loads strictly into the registry's classes,
-    is the default, and generates timed frames from the held-out example (1 s, 1 step) that look
-    like the reference (its scene anchor and trained VAE: not noise, not a flat field)."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_committed_checkpoint_loads_and_generates(one_thread, causal):
+    """The bundled models (weights/avatarstream-small, and its causal student
+    weights/avatarstream-small-causal) load strictly into the registry's classes, are the defaults
+    (of generate; of the causal benchmarks) and generate timed frames from the held-out example
+    (1 s, 1 step) that look like the reference (its scene anchor or sink and trained VAE: not
+    noise, not a flat field)."""
     import dataclasses
     from pathlib import Path
 
@@ -15,12 +18,17 @@ def test_committed_checkpoint_loads_and_generates(one_thread):
 
     from avatarstream.engine.pipeline import Pipeline
     from avatarstream.media.reference import load_reference
-    from avatarstream.registry import BUNDLED, DEFAULT_MODEL, MODELS, load_model
+    from avatarstream.registry import (BUNDLED, BUNDLED_CAUSAL, DEFAULT_CAUSAL_MODEL, DEFAULT_MODEL, MODELS,
+                                       load_model, resolve_model)
 
-    if BUNDLED not in MODELS:
-        pytest.skip("no bundled model")
-    assert DEFAULT_MODEL == BUNDLED
-    models = load_model(BUNDLED)
+    name = BUNDLED_CAUSAL if causal else BUNDLED
+    if name not in MODELS:
+        pytest.skip(f"no bundled model {name}")
+    assert DEFAULT_MODEL == BUNDLED and resolve_model(None) == BUNDLED
+    if causal:
+        assert DEFAULT_CAUSAL_MODEL == name == resolve_model(None, causal=True)
+    models = load_model(name)
+    assert models.config.strategy == ("causal" if causal else "prefix")
     cfg = dataclasses.replace(models.config, steps=1)
     root = Path(__file__).resolve().parents[1]
     ref = load_reference(str(root / "examples" / "reference.png"), size=cfg.hr_size, max_frames=1).frames

@@ -488,3 +488,16 @@ def test_export_takes_the_finetuned_decoder(trained, dataset, tmp_path):
     run("vae-tiny", dataset, tmp_path / "other", init__vae=str(trained["vae-tiny"]), **over)
     with pytest.raises(InputError, match="frozen encoder"):
         export([trained["a2v-tiny"], tmp_path / "other"], tmp_path / "out2")
+
+
+def test_loss_plots_cover_values_logged_on_some_steps_only(tmp_path):
+    """A value a run logs on some steps only (DMD's generator values, with fake_updates > 1) gets
+    its plot even when the last row lacks it; flags and timings do not."""
+    from avatarstream.train.plot import plot_losses
+
+    rows = [{"step": i, "loss": 1.0 / (i + 1), "time_s": float(i), **({"dmd": 0.1 * i} if i % 3 == 0 else {})}
+            for i in range(10)]
+    (tmp_path / "log.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    names = sorted(p.name for p in plot_losses(tmp_path))
+    assert names == ["dmd.png", "loss.png"]
+    assert (tmp_path / "plots" / "dmd.png").read_bytes()[:4] == b"\x89PNG"

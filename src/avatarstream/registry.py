@@ -82,6 +82,10 @@ def _register_bundled() -> None:
 _register_bundled()
 # The default of `generate`, `serve` and the benchmarks: the bundled trained model once it ships.
 DEFAULT_MODEL = BUNDLED if BUNDLED in MODELS else "tiny-random"
+# The default of the causal benchmarks (`bench drift`, `bench tpp`, the causal column of `bench
+# strategies`): the bundled causal student once it ships (its default strategy is `causal`).
+BUNDLED_CAUSAL = BUNDLED + "-causal"
+DEFAULT_CAUSAL_MODEL = BUNDLED_CAUSAL if BUNDLED_CAUSAL in MODELS else DEFAULT_MODEL
 
 
 def available_models() -> list[str]:
@@ -103,10 +107,12 @@ def model_spec_for(name: str) -> ModelSpec:
     return spec
 
 
-def resolve_model(name: str | None) -> str:
-    """A command's --model: the name if it is registered (or a weights folder), DEFAULT_MODEL
-    when none was given."""
-    name = DEFAULT_MODEL if name is None else name
+def resolve_model(name: str | None, *, causal: bool = False) -> str:
+    """A command's --model: the name if it is registered (or a weights folder); when none was
+    given DEFAULT_MODEL, or with `causal` (a benchmark of the causal strategy)
+    DEFAULT_CAUSAL_MODEL."""
+    if name is None:
+        name = DEFAULT_CAUSAL_MODEL if causal else DEFAULT_MODEL
     model_spec_for(name)
     return name
 

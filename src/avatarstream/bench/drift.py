@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=1000.0, help="length of the rollout")
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out case (identity, voice)")
     parser.add_argument("--model", default=None,
-                        help="model name (default: the registry's default, the bundled model once it ships)")
+                        help="model name or weights folder (default: the bundled causal student, "
+                             "avatarstream-small-causal, where it ships)")
     parser.add_argument("--no-history-corrupt-model", default=None, metavar="NAME",
                         help="the same causal model trained without History Corrupt (ablation row)")
     parser.add_argument("--no-ablations", action="store_true", help="only the full model's rollout")
@@ -254,7 +255,7 @@ def _change(rows: list[dict[str, Any]], key: str) -> float | None:
 def run(args: argparse.Namespace) -> dict:
     from avatarstream.registry import resolve_model
 
-    args.model = resolve_model(getattr(args, "model", None))
+    args.model = resolve_model(getattr(args, "model", None), causal=True)
     if args.no_history_corrupt_model is not None:
         resolve_model(args.no_history_corrupt_model)
     drift_windows(args.seconds)  # validates --seconds

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model name (default: the registry's default, the bundled model once it ships)")
     parser.add_argument("--causal-model", default=None, metavar="NAME",
-                        help="the model the causal strategy runs (a causal student; default: --model)")
+                        help="the model the causal strategy runs (default: the bundled causal student, "
+                             "avatarstream-small-causal, where it ships, else --model's default)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--write", default=None, metavar="PATH", help="also write the Markdown table here")
 
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     from avatarstream.registry import resolve_model
 
     args.model = resolve_model(getattr(args, "model", None))
-    causal = resolve_model(getattr(args, "causal_model", None) or args.model)
+    causal = resolve_model(getattr(args, "causal_model", None), causal=True)
     models = {s: causal if s == "causal" else args.model for s in STRATEGIES}
     drift_windows(args.seconds)
     rows = {}

@@ -32,7 +32,9 @@ HELP = "causal generation: --workers N pipeline (TPP) vs one sequential process 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="denoise worker processes (+1 decode)")
-    parser.add_argument("--model", default="small-random")
+    parser.add_argument("--model", default=None,
+                        help="model name or weights folder (default: the bundled causal student, "
+                             "avatarstream-small-causal, where it ships)")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds of speech to generate")
     parser.add_argument("--cores", type=int, default=None,
                         help="CPUs both runs are pinned to (default: all this process may use)")
@@ -60,8 +62,9 @@ def _generate(args: list[str], cpus: list[int]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.registry import model_spec_for
+    from avatarstream.registry import model_spec_for, resolve_model
 
+    args.model = resolve_model(args.model, causal=True)
     steps = args.steps or model_spec_for(args.model).pipeline().steps
     if not 1 <= args.workers <= steps:
         raise ConfigError(f"--workers must be between 1 and the number of steps ({steps})")

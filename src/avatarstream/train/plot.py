@@ -94,8 +94,10 @@ def plot_losses(run_dir: Path) -> list[Path]:
     rows = read_log(run_dir / "log.jsonl")
     if len(rows) < 2:
         return []
-    keys = [k for k in rows[-1] if k not in ("step", "time_s", "lr", "step_s", "fwd_bwd_s", "opt_s")
-            and isinstance(rows[-1][k], (int, float))]
+    # every numeric value any row logged (a DMD run logs its generator's values on some steps only)
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r)
+            if k not in ("step", "time_s", "lr", "step_s", "fwd_bwd_s", "opt_s")
+            and any(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in rows)]
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     paths = []
