@@ -91,7 +91,8 @@ def markdown(result: dict[str, Any]) -> str:
             ("rolling_state_bytes", "rolling state (bytes)", 0)]
     models = result.get("models", {})
     names = [s if models.get(s, result["model"]) == result["model"] else f"{s} ({models[s]})" for s in STRATEGIES]
-    lines = [f"| measure ({result['model']}, {result['seconds']:g} s, {result['threads']} thread) | "
+    threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
+    lines = [f"| measure ({result['model']}, {result['seconds']:g} s, {threads}) | "
              + " | ".join(names) + " |", "|---|" + "---|" * len(STRATEGIES)]
     for k, label, nd in keys:
         lines.append(f"| {label} | " + " | ".join(_fmt(rows[s][k], nd) for s in STRATEGIES) + " |")
@@ -105,7 +106,7 @@ def write_doc(path: Path, result: dict[str, Any]) -> None:
             f"Measured by `avatarstream bench strategies --model {result['model']}{also} --seconds "
             f"{result['seconds']:g} --seed {result['seed']} --write {path}` on "
             f"{result['date']} (each strategy one unbroken rollout in its own process, "
-            f"{result['threads']} torch thread).", "",
+            f"{result['threads']} torch thread{'s' if result['threads'] != 1 else ''}).", "",
             "Colour shift: " + COLOR_MEASURE + ".", ""]
     text = "\n".join(head) + "\n" + markdown(result) + "\n"
     if path.exists():  # keep the hand-written notes below the generated table
