@@ -64,6 +64,23 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def stream_two_seconds(models) -> np.ndarray:  # noqa: ANN001
+    """Run a 64 px model's pipeline on a random reference and 2 s of noise; assert every frame
+    came out (50) and moves; return the frames `[50, 64, 64, 3]`."""
+    from avatarstream.engine.pipeline import Pipeline
+    from avatarstream.eval.benchmark import CollectSink
+
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.rand(1, 3, 64, 64, generator=g) * 255).to(torch.uint8)
+    wave = 0.1 * torch.randn(16000 * 2, generator=g)
+    sink = CollectSink()
+    summary = Pipeline(models).run(ref, iter(wave.split(3200)), [sink])
+    frames = np.stack(sink.frames)
+    assert frames.shape[1:] == (64, 64, 3) and summary.frames == 50
+    assert frames.std(axis=0).mean() > 0  # the frames move
+    return frames
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test: on a shared 2-core CPU, threads only add contention to the

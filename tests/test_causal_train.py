@@ -244,11 +244,9 @@ def test_direct_causal_student_trains_exports_and_streams(dataset, tmp_path):
     student and the scores at (6, 1) trains; export makes a model whose default strategy is
     causal, with the DMD run's steps and guidance; the exported folder, named by its path, streams
     every frame."""
-    import numpy as np
+    from conftest import stream_two_seconds
 
     from avatarstream import registry
-    from avatarstream.engine.pipeline import Pipeline
-    from avatarstream.eval.benchmark import CollectSink
     from avatarstream.train.export import export
 
     df_dir, dmd_dir = tmp_path / "df", tmp_path / "dmd"
@@ -270,14 +268,7 @@ def test_direct_causal_student_trains_exports_and_streams(dataset, tmp_path):
     assert registry.resolve_model(str(out)) == str(out)  # a weights folder is a model name
     ms = registry.load_model(str(out))
     assert ms.refiner is None and ms.config.strategy == "causal" and ms.config.causal_settings().guidance == (6.0, 1.0)
-    g = torch.Generator().manual_seed(0)
-    ref = (torch.rand(1, 3, 64, 64, generator=g) * 255).to(torch.uint8)
-    wave = 0.1 * torch.randn(16000 * 2, generator=g)
-    sink = CollectSink()
-    summary = Pipeline(ms).run(ref, iter(wave.split(3200)), [sink])
-    frames = np.stack(sink.frames)
-    assert frames.shape[1:] == (64, 64, 3) and summary.frames == 50
-    assert frames.std(axis=0).mean() > 0  # the frames move
+    stream_two_seconds(ms)
 
 
 def test_dmd_two_time_scales_update_the_generator_on_some_steps_only(dataset, tmp_path):

@@ -246,11 +246,9 @@ def test_direct_dit_trains_exports_and_generates_without_a_refiner(trained, data
     run lifted (`lift_patch_state`); its loss goes down; export writes no refiner and sets
     lr_size = hr_size; the registry model runs the whole chain (SR passes through) and publishes
     hr-size frames for the whole audio."""
-    import numpy as np
+    from conftest import stream_two_seconds
 
     from avatarstream import registry
-    from avatarstream.engine.pipeline import Pipeline
-    from avatarstream.eval.benchmark import CollectSink
     from avatarstream.train.export import export, load_exported, model_spec
 
     a2v = str(trained["a2v-tiny"])
@@ -272,14 +270,7 @@ def test_direct_dit_trains_exports_and_generates_without_a_refiner(trained, data
     monkeypatch.setitem(registry.MODELS, "tiny-direct", spec)
     ms = registry.load_model("tiny-direct")
     assert ms.refiner is None and ms.config.lr_size == 64 and ms.config.steps == 2
-    g = torch.Generator().manual_seed(0)
-    ref = (torch.rand(1, 3, 64, 64, generator=g) * 255).to(torch.uint8)
-    wave = 0.1 * torch.randn(16000 * 2, generator=g)
-    sink = CollectSink()
-    summary = Pipeline(ms).run(ref, iter(wave.split(3200)), [sink])
-    frames = np.stack(sink.frames)
-    assert frames.shape[1:] == (64, 64, 3) and summary.frames == 50
-    assert frames.std(axis=0).mean() > 0  # the frames move
+    stream_two_seconds(ms)
 
 
 def test_cfg_distilled_student_takes_the_scales_as_inputs(trained, dataset, tmp_path):

@@ -49,11 +49,13 @@ class CausalSettings:
     # DiT's plain conditional prediction (a DiT that is not CFG-distilled runs unguided here)
     guidance: tuple[float, float] | None = None
 
-    def guidance_tensor(self, batch: int) -> torch.Tensor | None:
-        """`[batch, 2]` scales for `DiTCondition.guidance`, or None."""
-        if self.guidance is None:
-            return None
-        return torch.tensor([self.guidance], dtype=torch.float32).expand(batch, 2)
+
+def guidance_tensor(scales: tuple[float, float] | None, batch: int,
+                    device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """`[batch, 2]` (audio, reference) scales for `DiTCondition.guidance`, or None."""
+    if scales is None:
+        return None
+    return torch.tensor([scales], dtype=torch.float32, device=device).expand(batch, 2)
 
 
 def pack(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,7 @@ class CausalDenoiser:
         t_pos = torch.tensor([float(p) for p in positions])
         sink = self.sink.at(self.rolling_rope_position(int(positions[0])))
         b, tb = x.shape[0], x.shape[2]
-        guidance = self.settings.guidance_tensor(b)
+        guidance = guidance_tensor(self.settings.guidance, b)
         for j in self.steps:
             cache = self.caches[j]
             kv_out = []

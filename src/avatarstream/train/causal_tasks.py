@@ -43,6 +43,7 @@ import torch
 from avatarstream.cache.kv import BlockKV, RollingKVCache
 from avatarstream.cache.reference import ReferenceCache
 from avatarstream.cache.sink import SinkCache
+from avatarstream.engine.causal import guidance_tensor
 from avatarstream.errors import ConfigError
 from avatarstream.models.causal import block_causal_forward, causal_block_forward
 from avatarstream.models.dit import DiTCondition, VideoRefDiT
@@ -92,12 +93,6 @@ class _CausalTask(_LatentTask):
             raise ConfigError(f"{self.stage}: history must be >= 0")
         self.blocks = self.T // c["block"]
         self.guidance = guidance_scales(c["guidance"], f"{self.stage}.guidance")
-
-    def guidance_input(self, scales: tuple[float, float] | None, batch: int) -> torch.Tensor | None:
-        """`[batch, 2]` scales for `DiTCondition.guidance` (None: none)."""
-        if scales is None:
-            return None
-        return torch.tensor([scales], dtype=torch.float32, device=self.device).expand(batch, 2)
 
     def uses(self) -> tuple[str, ...]:
         return ("dit", "audio", "text")
@@ -156,7 +151,7 @@ class DiffusionForcingTask(_CausalTask):
         ms = (1 - sig[..., None]) * b["m0"] + sig[..., None] * eps_m
         cond = DiTCondition(motion=ms, audio=b["audio"], text=b["text"], text_mask=b["text_mask"],
                             t_pos=torch.arange(T, dtype=torch.float32, device=self.device), anchor=b["anchor"],
-                            guidance=self.guidance_input(self.guidance, B))
+                            guidance=guidance_tensor(self.guidance, B, self.device))
         pos, index = self.sink_index()
         sinks = [(b["ref_lat"], b["ref_valid"], p) for p in pos]
         out = block_causal_forward(self.nets["dit"], xs, sig, cond, sinks, index, block=blk,
@@ -217,7 +212,7 @@ class SelfForcingDMDTask(_CausalTask):
         sl = slice(i * blk, (i + 1) * blk)
         return DiTCondition(motion=m, audio=b["audio"][:, sl], text=b["text"], text_mask=b["text_mask"],
                             t_pos=torch.arange(sl.start, sl.stop, dtype=torch.float32), anchor=b["anchor"],
-                            guidance=self.guidance_input(self.guidance, m.shape[0]))
+                            guidance=guidance_tensor(self.guidance, m.shape[0], self.device))
 
     def _placed(self, sink: SinkCache, i: int) -> ReferenceCache:
         c = self.cfg
@@ -302,7 +297,7 @@ class SelfForcingDMDTask(_CausalTask):
             k = sl.stop - sl.start
             cond = DiTCondition(motion=mt[:, sl], audio=b["audio"][:, sl], text=b["text"], text_mask=b["text_mask"],
                                 t_pos=torch.arange(k, dtype=torch.float32, device=self.device), anchor=b["anchor"],
-                                guidance=self.guidance_input(self.teacher_guidance, xt.shape[0]))
+                                guidance=guidance_tensor(self.teacher_guidance, xt.shape[0], self.device))
             out = net(xt[:, :, sl], sigma[:, None].expand(-1, k), cond, ref)
             vs.append(out.velocity.float())
             mvs.append(out.motion_velocity.float())
