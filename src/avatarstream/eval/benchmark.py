@@ -161,11 +161,13 @@ def load_subject(model: str) -> Any:
         return None
     if model.startswith(ROUNDTRIP):
         model = model[len(ROUNDTRIP):]
-    from avatarstream.registry import MODELS, available_models, load_model
+    from avatarstream.registry import available_models, load_model, model_spec_for
 
-    if model not in MODELS and not (Path(model) / "config.json").is_file():
+    try:
+        model_spec_for(model)  # a registered name or a weights folder
+    except ConfigError:
         raise ConfigError(f"unknown model {model!r}; available: {', '.join(BASELINES + tuple(available_models()))}, "
-                          "or a weights folder made by `avatarstream train export`")
+                          "or a weights folder made by `avatarstream train export`") from None
     return load_model(model)
 
 
