@@ -265,6 +265,7 @@ def test_direct_causal_student_trains_exports_and_streams(dataset, tmp_path):
     pipe = json.loads((out / "config.json").read_text())["pipeline"]
     assert (pipe["strategy"], pipe["steps"], pipe["block"], pipe["kv_blocks"]) == ("causal", 4, 3, 1)
     assert (pipe["audio_scale"], pipe["ref_scale"], pipe["guidance_input"]) == (6.0, 1.0, True)
+    assert pipe["adaptive_sink"] is True  # the DMD student trained with AAS streams with it
     assert registry.resolve_model(str(out)) == str(out)  # a weights folder is a model name
     ms = registry.load_model(str(out))
     assert ms.refiner is None and ms.config.strategy == "causal" and ms.config.causal_settings().guidance == (6.0, 1.0)

@@ -136,3 +136,18 @@ def test_user_mistakes_give_one_clear_error(media, tmp_path, name, override, men
     assert mention.lower() in lines[0].lower(), lines[0]
     if not args["--out"].startswith("/proc"):
         assert not Path(args["--out"]).exists(), "a failed run left an output file behind"
+
+
+def test_sink_switches_go_both_ways():
+    """`--adaptive-sink` / `--no-adaptive-sink` (and the Rolling RoPE pair) override the model's
+    default either way; left out, the model's default stands."""
+    from avatarstream.cli import _overrides, build_parser
+    from avatarstream.registry import _small_pipeline
+
+    p = build_parser()
+    base = ["generate", "--reference", "r.png", "--audio", "a.wav", "--out", "o.mp4"]
+    c = _small_pipeline()
+    assert _overrides(c, p.parse_args(base)) == {}
+    assert _overrides(c, p.parse_args(base + ["--no-adaptive-sink"])) == {"adaptive_sink": False}
+    assert _overrides(c, p.parse_args(base + ["--adaptive-sink", "--no-rolling-rope"])) == {
+        "adaptive_sink": True, "rolling_rope": False}

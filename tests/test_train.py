@@ -415,6 +415,7 @@ def test_train_script_runs_the_whole_chain(tmp_path):
     assert set(cfg["trained"]) == {"dit", "refiner", "vae", "audio", "text"} and not cfg["untrained"]
     assert cfg["trained"]["dit"] == "runs/cfg-distill-tiny"
     assert (cfg["pipeline"]["audio_scale"], cfg["pipeline"]["ref_scale"]) == (3.0, 1.5)
+    assert cfg["pipeline"]["adaptive_sink"] is False  # bidirectional: causal keeps the reference as sink
     load_exported(tmp_path / "w")
 
 
@@ -435,6 +436,31 @@ def test_vae_decoder_finetune_keeps_the_latent_space(trained, dataset, tmp_path)
     assert all(torch.equal(start[k], now[k]) for k in enc)
     assert any(not torch.equal(start[k], now[k]) for k in dec)
     assert not any(".encoder." in k or ".quant_conv." in k for k in t.opt.params)
+
+
+def test_vae_mouth_crops_and_mouth_motion_term(dataset):
+    """vae `p_mouth_crop = 1`: every crop holds the mouth (its Gaussian peaks inside, on every
+    frame); `mouth_temporal` adds its weight times the logged squared mouth-motion error to the
+    loss, from the same draw (same generator, same value either way)."""
+    from avatarstream.train.tasks import make_task
+
+    r = recipe("vae-tiny", dataset, vae__crop=32, vae__p_mouth_crop=1.0, train__batch=3)
+    task = make_task(r, torch.device("cpu"))
+    for seed in range(4):
+        _, w, gm, _ = task.sample(torch.Generator().manual_seed(seed))
+        assert gm.shape == w.shape
+        assert (gm.flatten(2).amax(-1) > 0.5).all()  # the mouth is in every frame of every crop
+    r0 = recipe("vae-tiny", dataset, vae__crop=32, vae__p_mouth_crop=1.0, train__batch=2, vae__mouth_temporal=0.0)
+    r1 = recipe("vae-tiny", dataset, vae__crop=32, vae__p_mouth_crop=1.0, train__batch=2, vae__mouth_temporal=5.0)
+    torch.manual_seed(0)
+    t0 = make_task(r0, torch.device("cpu"))
+    torch.manual_seed(0)
+    t1 = make_task(r1, torch.device("cpu"))
+    t1.nets["vae"].load_state_dict(t0.nets["vae"].state_dict())
+    l0, m0 = t0.loss(torch.Generator().manual_seed(3))
+    l1, m1 = t1.loss(torch.Generator().manual_seed(3))
+    assert m0["mouth_temporal"] == pytest.approx(m1["mouth_temporal"]) and m1["mouth_temporal"] > 0
+    assert float(l1.detach()) == pytest.approx(float(l0.detach()) + 5.0 * m1["mouth_temporal"], rel=1e-5)
 
 
 def test_ref2v_windows_are_given_the_scene_frame(dataset):

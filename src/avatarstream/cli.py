@@ -36,10 +36,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="with --workers: SR refiner and VAE decode in two processes (N + 2 in all)")
     p.add_argument("--decode-inline", action="store_true",
                    help="VAE decode in the generating thread (default: a thread of its own, same video)")
-    p.add_argument("--no-adaptive-sink", action="store_true",
-                   help="causal: keep the reference as attention sink (ablation of AAS)")
-    p.add_argument("--no-rolling-rope", action="store_true",
-                   help="causal: keep the sink at a fixed RoPE position (ablation of Rolling RoPE)")
+    p.add_argument("--adaptive-sink", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal: Adaptive Attention Sink, the first generated frame replaces the "
+                        "reference as attention sink (default: the model's; --no-adaptive-sink keeps "
+                        "the reference)")
+    p.add_argument("--rolling-rope", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal: the sink's RoPE position moves with the window (default: the "
+                        "model's; --no-rolling-rope keeps it fixed)")
     p.add_argument("--seconds-per-chunk", type=float, default=None,
                    help="chunk length in seconds of video (rounded to whole latent frames)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk")
@@ -85,10 +88,9 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
             o[key] = val
     if getattr(args, "decode_inline", False):
         o["decode_overlap"] = False
-    if getattr(args, "no_adaptive_sink", False):
-        o["adaptive_sink"] = False
-    if getattr(args, "no_rolling_rope", False):
-        o["rolling_rope"] = False
+    for key in ("adaptive_sink", "rolling_rope"):
+        if getattr(args, key, None) is not None:
+            o[key] = getattr(args, key)
     strategy = o.get("strategy", c.strategy)
     if getattr(args, "split_decode", False) and getattr(args, "workers", None) is None:
         raise ConfigError("--split-decode splits the pipeline of --workers N; add --workers")

@@ -43,6 +43,23 @@ COLOR_MEASURE = ("ΔE*76 (CIELAB, D65) between the window's mean face-region col
 ABLATIONS = {"no_adaptive_sink": {"adaptive_sink": False}, "no_rolling_rope": {"rolling_rope": False}}
 
 
+def ablations_for(model: str) -> dict[str, dict[str, bool]]:
+    """The ablation rows of `model`: each switch turned the other way from the model's default
+    (a model that keeps the reference as its sink gets an `adaptive_sink` row instead of
+    `no_adaptive_sink`)."""
+    from avatarstream.registry import model_spec_for
+
+    pipe = model_spec_for(model).pipeline()
+    rows = {}
+    for name, over in ABLATIONS.items():
+        (key, _), = over.items()
+        if getattr(pipe, key):
+            rows[name] = over
+        else:
+            rows[key] = {key: True}
+    return rows
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=1000.0, help="length of the rollout")
     parser.add_argument("--seed", type=int, default=0, help="draws the held-out case (identity, voice)")
@@ -280,7 +297,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     if not args.no_ablations:
         abl: dict[str, Any] = {}
-        for name, over in ABLATIONS.items():
+        for name, over in ablations_for(args.model).items():
             r = rollout_in_process(args.model, "causal", args.seconds, args.seed, over, **kw)
             abl[name] = {"windows": [{k: w[k] for k in ("start_s", "end_s", "face_sim", "sync_c", "color_shift")}
                                      for w in r["windows"]], "peak_rss_mb": r["peak_rss_mb"]}

@@ -144,11 +144,16 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
         pipe = dataclasses.replace(pipe, audio_scale=distill["cfg-distill"]["audio_scale"],
                                    ref_scale=distill["cfg-distill"]["ref_scale"], guidance_input=True)
     stage = distill.get("stage")
+    # a bidirectional DiT was trained with the reference as its only sink: run causally, it keeps
+    # it (measured with the bundled weights: Sync-C 0.19-0.21 without AAS, 0.16 with, over 100 s;
+    # docs/strategies.md); a causal student keeps the sink rule it was trained with
+    pipe = dataclasses.replace(pipe, adaptive_sink=False)
     if stage in ("df", "dmd"):
         # a causal student: it streams with the causal strategy, in the block and window it was
         # trained with, at the guidance scales it was trained with (a DMD student: its steps)
         c = distill[stage]
-        pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"])
+        pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"],
+                                   adaptive_sink=bool(c.get("adaptive_sink", False)))
         if c.get("guidance"):
             pipe = dataclasses.replace(pipe, audio_scale=float(c["guidance"][0]),
                                        ref_scale=float(c["guidance"][1]), guidance_input=True)
