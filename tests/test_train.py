@@ -81,6 +81,19 @@ def trained(dataset, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def test_every_recipe_file_loads_and_its_init_runs_come_from_recipes():
+    """Each recipes/*.toml resolves (unknown keys are errors), and every `[init]` path under runs/
+    names a run another recipe makes, so a chain can be replayed from the recipes alone."""
+    names = {p.stem for p in RECIPES.glob("*.toml")}
+    assert len(names) >= 10
+    for p in RECIPES.glob("*.toml"):
+        r = load_recipe(p)
+        assert r["name"] == p.stem
+        for src in r["init"].values():
+            if src.startswith("runs/"):
+                assert src.split("/")[1] in names, (p.name, src)
+
+
 # -- optimiser ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(64, 128), (128, 64), (48, 48)])
 def test_newton_schulz_orthogonalises(shape):
