@@ -163,3 +163,31 @@ def test_vae_roundtrip_baseline_is_the_vae_of_the_named_model(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["model"] == "vae-roundtrip:tiny-random" and r["fps"] is None and r["psnr"] < 40
     assert main(["eval", "benchmark", "--model", "vae-roundtrip:no-such", "--split", "heldout-voice"]) != 0
+
+
+
+def test_showcase_writes_a_contact_sheet_and_gif_named_after_the_model_folder(tmp_path, capsys):
+    """`eval showcase` on a weights folder given as a path (how a candidate is evaluated before it
+    is bundled): the files take the folder's name, the sheet holds 3 rows (generated, ground truth,
+    reference) of 4 moments, and the GIF moves."""
+    import shutil
+
+    from PIL import Image
+
+    from avatarstream.registry import BUNDLED, WEIGHTS_DIR
+
+    torch.set_num_threads(2)
+    cand = tmp_path / "cand"
+    shutil.copytree(WEIGHTS_DIR / BUNDLED, cand, ignore=shutil.ignore_patterns("card", "training", "*.md"))
+    out = tmp_path / "sheets"
+    assert main(["eval", "showcase", "--model", str(cand), "--seconds", "4", "--out", str(out), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["contact_sheet"] == str(out / "showcase_cand.png") and r["gif"] == str(out / "showcase_cand.gif")
+    assert len(r["frames"]) == 4 and r["open_frames"] and r["closed_frames"]
+    sheet = Image.open(out / "showcase_cand.png")
+    assert sheet.height > 2.5 * sheet.width / 4  # three rows of square-ish panels, four columns
+    gif = Image.open(out / "showcase_cand.gif")
+    assert gif.n_frames == r["gif_frames"] > 10
+    first = np.asarray(gif.convert("RGB"))
+    gif.seek(gif.n_frames // 2)
+    assert np.abs(np.asarray(gif.convert("RGB")).astype(int) - first).mean() > 0.5

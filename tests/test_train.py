@@ -451,6 +451,38 @@ def test_vae_decoder_finetune_keeps_the_latent_space(trained, dataset, tmp_path)
     assert not any(".encoder." in k or ".quant_conv." in k for k in t.opt.params)
 
 
+def test_vae_latent_noise_reaches_the_decoder_and_is_drawn_from_the_step(trained, dataset):
+    """vae `latent_noise`: the decoder of a trained tiny VAE reconstructs worse from perturbed
+    latents (the term is live), and the draw comes from the step's generator (same loss twice)."""
+    from avatarstream.train.tasks import make_task
+    from avatarstream.train.trainer import load_init, net_weights
+
+    losses_ = {}
+    for amount in (0.0, 1.0):
+        r = recipe("vae-tiny", dataset, vae__crop=32, train__batch=2, vae__latent_noise=amount)
+        task = make_task(r, torch.device("cpu"))
+        load_init(task.nets["vae"], net_weights(str(trained["vae-tiny"]), "vae"), "vae")
+        with torch.no_grad():
+            got = [task.loss(torch.Generator().manual_seed(s))[1]["l1"] for s in (0, 0, 1, 2)]
+        assert got[0] == got[1]
+        losses_[amount] = sum(got)
+    assert losses_[1.0] > 1.05 * losses_[0.0], losses_
+
+
+def test_init_from_a_prepared_file_takes_its_vae(dataset):
+    """`init.vae = <prepared file>`: the VAE inside it (statistics folded in), so a decoder
+    fine-tune starts from exactly the encoder its DiT's latents came from."""
+    from safetensors.torch import load_file
+
+    from avatarstream.train.trainer import net_weights
+
+    prep = load_file(str(dataset["prepared"]))
+    sd = net_weights(str(dataset["prepared"]), "vae")
+    assert set(sd) == {k[4:] for k in prep if k.startswith("vae.")} and sd
+    assert all(torch.equal(sd[k], prep["vae." + k]) for k in sd)
+    build_nets("tiny")["vae"].load_state_dict(sd)  # strict
+
+
 def test_vae_mouth_crops_and_mouth_motion_term(dataset):
     """vae `p_mouth_crop = 1`: every crop holds the mouth (its Gaussian peaks inside, on every
     frame); `mouth_temporal` adds its weight times the logged squared mouth-motion error to the

@@ -162,12 +162,13 @@ def run_showcase(model: str, out: Path, *, split: str = "heldout-identity", seed
     except OSError as e:
         raise OutputError(f"cannot create {out}: {e}") from e
     ref_at = case.reference[np.arange(len(gen)) % len(case.reference)]  # the reference video at the same times
-    sheet = out / f"showcase_{model}.png"
+    label = Path(model).name or model  # a weights folder given as a path: its folder name
+    sheet = out / f"showcase_{label}.png"
     write_png(sheet, contact_sheet([gen, case.gt, ref_at], [i for i, _ in moments], [c for _, c in moments]))
     length = min(len(gen), int(GIF_SECONDS * FPS))
     a = gif_window(open_, length)
     sel = np.arange(a, a + length, 2)  # 12.5 fps
-    gif = out / f"showcase_{model}.gif"
+    gif = out / f"showcase_{label}.gif"
     for size in (128, 96, 64):
         panels = [_resize(x[sel], size) for x in (gen, case.gt, ref_at)]
         nbytes = write_gif(gif, np.concatenate(panels, 2), Fraction(FPS, 2))

@@ -164,7 +164,10 @@ class VAETask(Task):
     temporal term too, so the mouth's frame-to-frame motion inside a latent frame's 4 frames
     counts. `mouth_temporal` weighs the squared error of the frame-to-frame change inside the
     mouth's Gaussian alone (the Sync-C of the round trip depends on it). With probability `p_mouth_crop` the crop is
-    placed around the mouth.
+    placed around the mouth. `latent_noise` > 0 adds Gaussian noise of a per-sample std drawn from
+    [0, latent_noise] × the latents' std to the trained window's latents, the target still the
+    clean frames: the decoder learns to map latents near the encoder's (a DiT's few-step
+    prediction) to a plausible picture rather than to artefacts.
 
     **Warm caches** (`warm_latents` > 0): the causal VAE's temporal receptive field is about 15
     latent frames (60 video frames) for both presets, and a stream decoded chunk by chunk spends
@@ -261,6 +264,9 @@ class VAETask(Task):
                 mean, logvar = vae.encode(x)
         eps = self.randn(g, *mean.shape)
         z = mean + torch.exp(0.5 * logvar.float()) * eps
+        if self.cfg["latent_noise"] > 0:
+            amp = torch.rand(mean.shape[0], generator=g).to(self.device) * self.cfg["latent_noise"]
+            z = z + amp.view(-1, 1, 1, 1, 1) * mean.detach().float().std() * self.randn(g, *mean.shape)
         rec = (vae.decode_step(z, dec, clamp=False) if warm else vae.decode(z, clamp=False)).float()
         err = rec - x
         wn = w / w.mean()

@@ -102,13 +102,20 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def net_weights(source: str | Path, net: str) -> dict[str, torch.Tensor]:
     """Weights of `net` from a run folder (EMA if that run trained it, else its model copy), an
-    exported weights folder (`<net>.safetensors`) or a .safetensors file."""
+    exported weights folder (`<net>.safetensors`), a prepared file (its `vae.*`: the VAE with the
+    latent statistics folded in, which a decoder fine-tune for that file's DiT starts from) or a
+    .safetensors file of the net alone."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     p = Path(source)
     if p.is_dir() and (p / f"{net}.safetensors").is_file():
         return load_file(str(p / f"{net}.safetensors"))
     if p.is_file() and p.suffix == ".safetensors":
+        with safe_open(str(p), "pt") as f:
+            keys = [k for k in f.keys() if k.startswith(f"{net}.")]
+            if keys:
+                return {k[len(net) + 1:]: f.get_tensor(k) for k in keys}
         return load_file(str(p))
     if p.is_dir():
         ck = load_checkpoint(p)
