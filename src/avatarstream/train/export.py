@@ -145,8 +145,8 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
                                    ref_scale=distill["cfg-distill"]["ref_scale"], guidance_input=True)
     stage = distill.get("stage")
     # a bidirectional DiT was trained with the reference as its only sink: run causally, it keeps
-    # it (measured with the bundled weights: Sync-C 0.19-0.21 without AAS, 0.16 with, over 100 s;
-    # docs/strategies.md); a causal student keeps the sink rule it was trained with
+    # it (measured with the weights of docs/strategies.md: Sync-C 0.19-0.21 without AAS, 0.16
+    # with, over 100 s); a causal student keeps the sink rule it was trained with
     pipe = dataclasses.replace(pipe, adaptive_sink=False)
     if stage in ("df", "dmd"):
         # a causal student: it streams with the causal strategy, in the block and window it was

@@ -163,11 +163,11 @@ class VAETask(Task):
     annotated mouth centre and the projected eye centres) so mouths and eyes get sharp; the
     temporal term too, so the mouth's frame-to-frame motion inside a latent frame's 4 frames
     counts. `mouth_temporal` weighs the squared error of the frame-to-frame change inside the
-    mouth's Gaussian alone (the Sync-C of the round trip depends on it). With probability `p_mouth_crop` the crop is
-    placed around the mouth. `latent_noise` > 0 adds Gaussian noise of a per-sample std drawn from
-    [0, latent_noise] × the latents' std to the trained window's latents, the target still the
-    clean frames: the decoder learns to map latents near the encoder's (a DiT's few-step
-    prediction) to a plausible picture rather than to artefacts.
+    mouth's Gaussian alone (the Sync-C of the round trip depends on it). With probability
+    `p_mouth_crop` the crop is placed around the mouth. `latent_noise` > 0 adds Gaussian noise of
+    a per-sample std drawn from [0, latent_noise] × the latents' std to the trained window's
+    latents, the target still the clean frames: the decoder learns to map latents near the
+    encoder's (a DiT's few-step prediction) to a plausible picture rather than to artefacts.
 
     **Warm caches** (`warm_latents` > 0): the causal VAE's temporal receptive field is about 15
     latent frames (60 video frames) for both presets, and a stream decoded chunk by chunk spends
