@@ -563,3 +563,86 @@ def test_loss_plots_cover_values_logged_on_some_steps_only(tmp_path):
     names = sorted(p.name for p in plot_losses(tmp_path))
     assert names == ["dmd.png", "loss.png"]
     assert (tmp_path / "plots" / "dmd.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_predicted_latents_follow_the_engine_chunks_and_feed_a_decoder_finetune(trained, dataset, tmp_path):
+    """`train predict`: a CFG-distilled model's teacher-forced predictions, one per latent frame
+    of every clip (frames a chunk is given keep the encoded latents exactly, the rest are the
+    DiT's), independent per variant, reproducible from the seed, nearer the encoded latents when
+    the sampler starts from them less noised. `vae.predicted`: the decoder fine-tune decodes
+    them (the encoder stays frozen), its windows aligned with the clip's frames: the VAE's own
+    latents given as "predictions" reconstruct their window better than the same latents one
+    latent frame late."""
+    from safetensors.torch import save_file
+
+    from avatarstream.train.export import export
+    from avatarstream.train.predicted import PredictedLatents, _chunk_starts, predict_latents
+    from avatarstream.errors import ConfigError
+    from avatarstream.train.tasks import make_task, vae_for
+    from avatarstream.train.trainer import load_init, net_weights
+
+    assert _chunk_starts(20, 8, 2) == [0, 6, 12] and _chunk_starts(21, 8, 2) == [0, 6, 12, 13]
+    assert _chunk_starts(5, 8, 2) == [0]
+    w = tmp_path / "w"
+    export([trained["cfg-distill-tiny"], trained["a2v-tiny"]], w, dtype="fp32", steps=2)
+    out = {}
+    for name, sig, seed in (("a", 1.0, 0), ("b", 1.0, 0), ("c", 1.0, 1), ("near", 0.1, 0)):
+        predict_latents(dataset["prepared"], w, tmp_path / f"{name}.safetensors", variants=2,
+                        sigma_start=sig, seed=seed)
+        out[name] = PredictedLatents(tmp_path / f"{name}.safetensors")
+    prep = PreparedData(dataset["prepared"])
+    enc = prep.lr
+    pa = out["a"].pred.float()
+    assert pa.shape == (2, *enc.shape)
+    assert torch.equal(pa, out["b"].pred.float()) and not torch.equal(pa, out["c"].pred.float())
+    starts = [c["lat_offset"] for c in prep.clips]
+    for v in range(2):
+        assert torch.equal(pa[v, starts], enc[starts].half().float())  # the scene frame, given
+    gen = torch.ones(enc.shape[0], dtype=torch.bool)
+    gen[starts] = False
+    err = lambda p: float((p[:, gen] - enc[gen]).square().mean())  # noqa: E731
+    assert err(pa) > 1e-4 and not torch.equal(pa[0, gen], pa[1, gen])
+    assert err(out["near"].pred.float()) < 0.5 * err(pa)
+
+    # alignment (our indexing, on marked data): a frame's pixels hold its index and their latent
+    # pixel's row and column; a latent frame holds the index of the last frame it covers
+    clips = prep.clips
+    lat = torch.zeros(enc.shape[0], enc.shape[1], 8, 8)  # HR latents of the 64 px clips
+    for c in clips:
+        n = c["latents"]
+        last = torch.tensor([0] + [4 * j for j in range(1, n)], dtype=torch.float32)
+        lat[c["lat_offset"]:c["lat_offset"] + n, 0] = last[:, None, None]
+    lat[:, 1] = torch.arange(8, dtype=torch.float32)[:, None]
+    lat[:, 2] = torch.arange(8, dtype=torch.float32)[None, :]
+    meta = dict(out["a"].meta, direct=True)
+    save_file({"pred": lat[None].half().contiguous()}, str(tmp_path / "marked.safetensors"),
+              metadata={"avatarstream": json.dumps(meta)})
+    for warm in (0, 2):
+        r = recipe("vae-tiny", dataset, vae__crop=32, train__batch=3, vae__train_encoder=False, vae__p_lr=0.0,
+                   vae__predicted=str(tmp_path / "marked.safetensors"), vae__p_predicted=1.0,
+                   vae__warm_latents=warm, vae__p_stream_start=0.5, vae__latent_frames=2)
+        task = make_task(r, torch.device("cpu"))
+        for clip in task.pred_clips:
+            f, size = clip.frames.shape[:2]
+            m = torch.zeros(f, size, size, 3, dtype=torch.uint8)
+            m[..., 0] = torch.arange(f, dtype=torch.uint8)[:, None, None]
+            m[..., 1] = (torch.arange(size) // 8).to(torch.uint8)[:, None]
+            m[..., 2] = (torch.arange(size) // 8).to(torch.uint8)[None, :]
+            clip.frames = m.numpy()
+        seen = set()
+        for seed in range(8):
+            x, _, _, w_lat, z = task.sample_predicted(torch.Generator().manual_seed(seed))
+            px = ((x + 1) * 127.5).round()  # [B, 3, F, c, c]
+            seen.add(w_lat)
+            assert z.shape[2] == w_lat + 2 and px.shape[2] == (8 if w_lat else 5)
+            for j in range(2):
+                pos = (4 * j + 3) if w_lat else 4 * j  # the last frame of the window's latent j
+                assert torch.equal(px[:, 0, pos], z[:, 0, w_lat + j].repeat_interleave(8, -1)
+                                   .repeat_interleave(8, -2)), (seed, j)
+            up = z[:, 1:3, :1].repeat_interleave(8, -1).repeat_interleave(8, -2)
+            assert torch.equal(px[:, 1:, :1], up), seed
+        assert seen == ({0, 2} if warm else {0})
+        assert task.loss(torch.Generator().manual_seed(0))[1]["kl"] == 0.0
+    r = recipe("vae-tiny", dataset, vae__crop=32, train__batch=2, vae__predicted=str(tmp_path / "marked.safetensors"))
+    with pytest.raises(ConfigError, match="train_encoder"):
+        make_task(r, torch.device("cpu"))

@@ -149,6 +149,7 @@ class PixelClip:
     points: np.ndarray  # [F, 6] float32 pixels (mouth, right eye, left eye)
     identity: int
     scene: int
+    key: str = ""
 
 
 def load_pixel_clips(shards: str | Path, max_clips: int | None = None) -> list[PixelClip]:
@@ -162,7 +163,8 @@ def load_pixel_clips(shards: str | Path, max_clips: int | None = None) -> list[P
         rec = reader.load(e)
         if rec.frames.shape[0] < 5:
             continue
-        clips.append(PixelClip(rec.frames, face_points(rec.annotations), int(e["identity"]), int(e["scene"])))
+        clips.append(PixelClip(rec.frames, face_points(rec.annotations), int(e["identity"]), int(e["scene"]),
+                              str(e["key"])))
     if not clips:
         raise InputError(f"{shards}: no clip with at least 5 frames")
     return clips

@@ -39,7 +39,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "init": {"dit": "", "refiner": "", "vae": "", "audio": "", "text": ""},
     "vae": {"latent_frames": 3, "warm_latents": 0, "p_stream_start": 0.25, "crop": 128, "p_lr": 0.5, "kl": 1e-4, "grad": 0.5, "multiscale": 0.5,
             "temporal": 0.25, "mouth": 4.0, "eyes": 2.0, "radius": 0.06, "train_encoder": True,
-            "p_mouth_crop": 0.0, "mouth_temporal": 0.0, "latent_noise": 0.0},
+            "p_mouth_crop": 0.0, "mouth_temporal": 0.0, "latent_noise": 0.0,
+            # decoder fine-tune on a DiT's own latents (`avatarstream train predict`'s file)
+            "predicted": "", "p_predicted": 0.75},
     "a2v": {"chunk": 8, "ref_frames": 8, "p_ref2v": 0.4, "p_prefix": 0.4, "p_interp": 0.2, "overlap": 2,
             "first_frame": True, "p_clip_start": 0.5,
             "logit_mean": 0.0, "logit_std": 1.0, "motion": 0.5, "ref_motion": 0.1, "mouth": 2.0,

@@ -168,6 +168,11 @@ class VAETask(Task):
     a per-sample std drawn from [0, latent_noise] × the latents' std to the trained window's
     latents, the target still the clean frames: the decoder learns to map latents near the
     encoder's (a DiT's few-step prediction) to a plausible picture rather than to artefacts.
+    `predicted` (a file of `avatarstream train predict`: a DiT's own teacher-forced predictions
+    of the clips' latents) goes further: with probability `p_predicted` a batch decodes those
+    latents instead of the encoder's, the target still the clip's frames, so the decoder learns
+    what the DiT actually hands it (a decoder fine-tune: `train_encoder = false`). Such a batch
+    is at HR, its windows and crops on latent-frame and latent-pixel boundaries, without KL.
 
     **Warm caches** (`warm_latents` > 0): the causal VAE's temporal receptive field is about 15
     latent frames (60 video frames) for both presets, and a stream decoded chunk by chunk spends
@@ -204,6 +209,74 @@ class VAETask(Task):
         self.clips = [c for c in self.clips if c.frames.shape[0] >= need]
         if not self.clips:
             raise ConfigError(f"no clip has {self.n_frames} frames (vae.latent_frames too large)")
+        self.pred = None
+        if self.cfg["predicted"]:
+            from avatarstream.train.predicted import PredictedLatents
+
+            if self.cfg["train_encoder"]:
+                raise ConfigError("vae.predicted fine-tunes the decoder alone: set vae.train_encoder = false")
+            self.pred = PredictedLatents(self.cfg["predicted"])
+            L, W = self.cfg["latent_frames"], warm
+            self.pred_clips = [c for c in self.clips if c.key in self.pred.by_key
+                               and self.pred.by_key[c.key]["latents"] >= L + W
+                               and c.frames.shape[0] >= 1 + 4 * (self.pred.by_key[c.key]["latents"] - 1)]
+            if not self.pred_clips:
+                raise ConfigError(f"{self.cfg['predicted']}: none of its clips is in {d['shards']} "
+                                  f"with {L + W} latent frames")
+
+    def _crop(self, g: torch.Generator, x: torch.Tensor, pts: torch.Tensor, size: int, step: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Crop of video `[3, F, S, S]` (`crop`², around the mouth with prob p_mouth_crop, offsets
+        multiples of `step`) -> (video, weights `[2, F, c, c]`: loss weight and mouth Gaussian,
+        oy, ox)."""
+        c = min(self.cfg["crop"], size)
+        if c < size and _rand(g) < self.cfg["p_mouth_crop"]:
+            # the mouth (its mean position over the window) lands in the crop's central half
+            mx, my = (float(v) for v in pts[:, :2].mean(0))
+            ox = min(max(int(mx) - c // 4 - _pick(g, c // 2 + 1), 0), size - c)
+            oy = min(max(int(my) - c // 4 - _pick(g, c // 2 + 1), 0), size - c)
+        else:
+            oy, ox = _pick(g, size - c + 1), _pick(g, size - c + 1)
+        oy, ox = oy // step * step, ox // step * step
+        x = x[:, :, oy:oy + c, ox:ox + c]
+        pts = pts.clone()
+        pts[:, 0::2] -= ox
+        pts[:, 1::2] -= oy
+        w = region_weight(pts[None], c, mouth=self.cfg["mouth"], eyes=self.cfg["eyes"],
+                          radius=self.cfg["radius"] * size)[0]
+        gm = region_weight(pts[None], c, mouth=1.0, eyes=0.0, radius=self.cfg["radius"] * size)[0] - 1.0
+        return x, torch.stack([w, gm]), oy, ox
+
+    def sample_predicted(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int,
+                                                             torch.Tensor]:
+        """A batch of the DiT's predicted latents (`predicted`): video `[B, 3, F, c, c]` of the
+        trained window, weights, mouth Gaussian, warm-up latent frames W and latents
+        `[B, C, W + L, c/8, c/8]` (W context latent frames, decoded without gradients, then the
+        window's L). A window at latent frame k ≥ 1 is video frames 4k−3 .. 4k+4L−4 (k = 0:
+        frames 0 .. 4L−4, a stream's start)."""
+        b, L = self.recipe["train"]["batch"], self.cfg["latent_frames"]
+        W = self.cfg["warm_latents"] if self.cfg["warm_latents"] and _rand(g) >= self.cfg["p_stream_start"] else 0
+        vids, ws, zs = [], [], []
+        for _ in range(b):
+            clip = self.pred_clips[_pick(g, len(self.pred_clips))]
+            n_lat = self.pred.by_key[clip.key]["latents"]
+            k = W + _pick(g, n_lat - L - W + 1) if W else 0
+            f0, f1 = (4 * k - 3, 4 * k - 3 + 4 * L) if k else (0, 1 + 4 * (L - 1))
+            x = torch.from_numpy(clip.frames[f0:f1]).permute(3, 0, 1, 2).float() / 127.5 - 1
+            pts = torch.from_numpy(clip.points[f0:f1])
+            z = self.pred.latents(clip.key, _pick(g, self.pred.variants), k - W, W + L)
+            size = self.geometry["hr_size"] if self.pred.meta["direct"] else GEOMETRY[self.recipe["model"]]["lr_size"]
+            if x.shape[-1] != size:  # an LR DiT's latents: the video at LR
+                pts = pts * (size / x.shape[-1])
+                x = F.interpolate(x[None], size=(x.shape[1], size, size), mode="area")[0]
+            scale = size // z.shape[-1]
+            x, w, oy, ox = self._crop(g, x, pts, size, step=scale)
+            c = x.shape[-1] // scale
+            zs.append(z[:, :, oy // scale:oy // scale + c, ox // scale:ox // scale + c])
+            vids.append(x)
+            ws.append(w)
+        wt = torch.stack(ws).to(self.device)
+        return torch.stack(vids).to(self.device), wt[:, 0], wt[:, 1], W, torch.stack(zs).to(self.device)
 
     def sample(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
         """-> video `[B, 3, F, c, c]` in [-1, 1], loss weights `[B, F, c, c]`, the mouth's Gaussian
@@ -227,28 +300,26 @@ class VAETask(Task):
                 x = F.interpolate(x[None], size=(n, lr, lr), mode="area")[0]
                 pts = pts * (lr / size)
                 size = lr
-            c = min(self.cfg["crop"], size)
-            if c < size and _rand(g) < self.cfg["p_mouth_crop"]:
-                # the mouth (its mean position over the window) lands in the crop's central half
-                mx, my = (float(v) for v in pts[:, :2].mean(0))
-                ox = min(max(int(mx) - c // 4 - _pick(g, c // 2 + 1), 0), size - c)
-                oy = min(max(int(my) - c // 4 - _pick(g, c // 2 + 1), 0), size - c)
-            else:
-                oy, ox = _pick(g, size - c + 1), _pick(g, size - c + 1)
-            x = x[:, :, oy:oy + c, ox:ox + c]
-            pts[:, 0::2] -= ox
-            pts[:, 1::2] -= oy
-            w = region_weight(pts[None], c, mouth=self.cfg["mouth"], eyes=self.cfg["eyes"],
-                              radius=self.cfg["radius"] * size)[0]
-            gm = region_weight(pts[None], c, mouth=1.0, eyes=0.0, radius=self.cfg["radius"] * size)[0] - 1.0
+            x, w, _, _ = self._crop(g, x, pts, size)
             vids.append(x)
-            ws.append(torch.stack([w, gm]))
+            ws.append(w)
         ws = torch.stack(ws).to(self.device)
         return torch.stack(vids).to(self.device), ws[:, 0], ws[:, 1], warm
 
     def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.pred is not None and _rand(g) < self.cfg["p_predicted"]:
+            x, w, gm, warm, z = self.sample_predicted(g)
+            vae: CausalVAE = self.nets["vae"]
+            if warm:
+                dec = vae.new_cache("decode")
+                with torch.no_grad():
+                    vae.decode_step(z[:, :, :warm], dec, clamp=False)
+                rec = vae.decode_step(z[:, :, warm:], dec, clamp=False).float()
+            else:
+                rec = vae.decode(z, clamp=False).float()
+            return self.recon_loss(rec, x, w, gm, torch.zeros(()), predicted=1.0)
         x, w, gm, warm = self.sample(g)
-        vae: CausalVAE = self.nets["vae"]
+        vae = self.nets["vae"]
         enc_grad = torch.enable_grad() if self.cfg["train_encoder"] else torch.no_grad()
         if warm:
             # fill the conv caches with the stream's context (no gradients), then train the window
@@ -268,6 +339,13 @@ class VAETask(Task):
             amp = torch.rand(mean.shape[0], generator=g).to(self.device) * self.cfg["latent_noise"]
             z = z + amp.view(-1, 1, 1, 1, 1) * mean.detach().float().std() * self.randn(g, *mean.shape)
         rec = (vae.decode_step(z, dec, clamp=False) if warm else vae.decode(z, clamp=False)).float()
+        kl = 0.5 * (mean.float().square() + logvar.float().exp() - 1 - logvar.float()).mean()
+        return self.recon_loss(rec, x, w, gm, kl)
+
+    def recon_loss(self, rec: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gm: torch.Tensor,
+                   kl: torch.Tensor, predicted: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+        """The weighted reconstruction terms of decoded `rec` against video `x` (see the class
+        docstring) + kl · KL; logs (`predicted`: 1 on a batch of a DiT's latents)."""
         err = rec - x
         wn = w / w.mean()
         l1 = (err.abs().mean(1) * wn).mean()
@@ -292,14 +370,14 @@ class VAETask(Task):
         gmt = gm[:, 1:]
         dt2 = (rec.diff(dim=2) - x.diff(dim=2)).square().mean(1)
         mouth_temporal = (dt2 * gmt).sum() / gmt.sum().clamp_min(1.0)
-        kl = 0.5 * (mean.float().square() + logvar.float().exp() - 1 - logvar.float()).mean()
         c = self.cfg
         total = (l1 + c["grad"] * grad + c["multiscale"] * ms + c["temporal"] * temporal
                  + c["mouth_temporal"] * mouth_temporal + c["kl"] * kl)
         f = lambda t: float(t.detach()) if isinstance(t, torch.Tensor) else float(t)  # noqa: E731
         return total, {"loss": f(total), "l1": f(l1), "grad": f(grad), "ms": f(ms),
                        "temporal": f(temporal), "mouth_temporal": f(mouth_temporal), "kl": f(kl),
-                       "psnr": f(-10 * torch.log10(err.clamp(-2, 2).square().mean() / 4 + 1e-12))}
+                       "psnr": f(-10 * torch.log10(err.clamp(-2, 2).square().mean() / 4 + 1e-12)),
+                       **({"predicted": predicted} if self.pred is not None else {})}
 
 
 # ---------------------------------------------------------------------------------------------
