@@ -25,7 +25,8 @@ import torch
 from avatarstream.errors import ConfigError, InputError
 from avatarstream.models.dit import DiTCondition
 from avatarstream.train.data import motion_descriptor
-from avatarstream.samplers import flow_sigmas
+from avatarstream.engine.stages.audio_to_video import pack, unpack
+from avatarstream.samplers import flow_sigmas, sample_euler, sample_stochastic_euler
 
 PREDICTED_VERSION = 1
 
@@ -120,20 +121,25 @@ def predict_latents(prepared: str | Path, weights: str | Path, out: str | Path, 
             eps = torch.randn(x0.shape, generator=g)
             eps_m = torch.randn(m0.shape, generator=g)
             s0 = sigmas[0]
-            x = (1 - s0) * x0 + s0 * eps
-            m = (1 - s0) * m0 + s0 * eps_m
             g5 = given[:, None, :, None, None]
-            for k in range(sigmas.numel() - 1):
-                s, s_next = float(sigmas[k]), float(sigmas[k + 1])
-                x = torch.where(g5, x0, x)
-                m = torch.where(given[..., None], m0, m)
-                sig = torch.full((B, T), s).masked_fill(given, 0.0)
-                cond = DiTCondition(motion=m, audio=audio, text=cond_text, text_mask=cond_mask,
+            gm = given[..., None]
+
+            def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+                # as AudioToVideoStage: given frames held clean at σ = 0, their velocity zero
+                xs, ms = unpack(flat, x0.shape, m0.shape)
+                xs, ms = torch.where(g5, x0, xs), torch.where(gm, m0, ms)
+                sig = torch.full((B, T), float(sigma)).masked_fill(given, 0.0)
+                cond = DiTCondition(motion=ms, audio=audio, text=cond_text, text_mask=cond_mask,
                                     t_pos=torch.arange(T, dtype=torch.float32), guidance=gd, anchor=anchor)
-                o = nets["dit"](x, sig, cond, cache)
-                x = x + (s_next - s) * o.velocity.float()
-                m = m + (s_next - s) * o.motion_velocity.float()
-            x = torch.where(g5, x0, x)
+                o = nets["dit"](xs, sig, cond, cache)
+                return pack(o.velocity.float().masked_fill(g5, 0.0), o.motion_velocity.float().masked_fill(gm, 0.0))
+
+            state0 = pack((1 - s0) * x0 + s0 * eps, (1 - s0) * m0 + s0 * eps_m)
+            if p["sampler"] == "euler":
+                flat = sample_euler(denoise, state0, sigmas)
+            else:
+                flat = sample_stochastic_euler(denoise, state0, sigmas, overshoot=float(p["overshoot"]), generator=g)
+            x = torch.where(g5, x0, unpack(flat, x0.shape, m0.shape)[0])
             for b, s in enumerate(starts):
                 # a chunk writes the frames it generated; a later chunk's given frames are earlier
                 # chunks' generated ones, so nothing is overwritten with a given frame
