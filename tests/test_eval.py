@@ -163,6 +163,15 @@ def test_vae_roundtrip_baseline_is_the_vae_of_the_named_model(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["model"] == "vae-roundtrip:tiny-random" and r["fps"] is None and r["psnr"] < 40
     assert main(["eval", "benchmark", "--model", "vae-roundtrip:no-such", "--split", "heldout-voice"]) != 0
+    # --latent-noise: the decode moves away from the noise-free one with the noise's size, and the
+    # same seed draws the same noise; it applies to the round-trip baseline only
+    off = lambda a, seed=0: float(np.abs(run_model("vae-roundtrip:tiny-random", models, case, latent_noise=a,
+                                                   seed=seed).frames.astype(np.float32) - gen.frames).mean())
+    assert off(0.0) == 0.0 and 0 < off(0.1) < off(1.0)
+    assert off(0.5) == off(0.5) and off(0.5, seed=1) != off(0.5)
+    assert main(["eval", "benchmark", "--model", "tiny-random", "--split", "heldout-voice",
+                 "--latent-noise", "0.3"]) != 0
+    assert "--latent-noise applies to the vae-roundtrip" in capsys.readouterr().err
 
 
 

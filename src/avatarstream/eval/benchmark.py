@@ -10,7 +10,10 @@ scenes and sentences. Models:
   from the target's speech *and* its talking style, so they cannot be re-drawn for another person)
   rendered on another held-out person in the same scene: ground-truth sync on the wrong face;
 - `vae-roundtrip:NAME`: the ground truth encoded and decoded by registry model NAME's VAE, the
-  ceiling of anything that model's generator can show (its decoder makes every output pixel);
+  ceiling of anything that model's generator can show (its decoder makes every output pixel).
+  `latent_noise` A > 0 decodes the latents plus A × their per-channel std of Gaussian noise
+  (seeded by `--seed`): how the decoder treats latents that are off by a generator's error (a DiT
+  that predicts unit-scale latents with RMS error e is A = e);
 - any registry model: `Pipeline(load_model(name)).run(reference, audio chunks, [sink])`, with FPS
   and time-to-first-frame from the run (Live Avatar §10 definitions). `reference_mode="frame"`
   gives the model only the reference's first frame; FaceSim and style error are still measured
@@ -206,9 +209,11 @@ def generate(models: Any, reference: np.ndarray, audio: np.ndarray, frames: int,
 
 
 @torch.no_grad()
-def vae_roundtrip(models: Any, frames: np.ndarray) -> np.ndarray:
+def vae_roundtrip(models: Any, frames: np.ndarray, latent_noise: float = 0.0, seed: int = 0) -> np.ndarray:
     """frames `[F, S, S, 3]` uint8 -> the same through the model's causal VAE at its output size
-    (encoded whole, posterior mean decoded; frames past the last 1 + 4k repeat the last one)."""
+    (encoded whole, posterior mean decoded; frames past the last 1 + 4k repeat the last one).
+    `latent_noise` A adds A × each channel's std (over the clip) of Gaussian noise (seed `seed`)
+    to the mean before decoding."""
     from avatarstream.engine.stages.decode_publish import to_uint8_frames
     from avatarstream.media.reference import square_resize
 
@@ -217,6 +222,10 @@ def vae_roundtrip(models: Any, frames: np.ndarray) -> np.ndarray:
     x = torch.stack([square_resize(f, models.config.hr_size) for f in frames[:k]])  # [k, 3, S, S]
     x = x.permute(1, 0, 2, 3)[None].float() / 127.5 - 1.0
     mean, _ = vae.encode(x)
+    if latent_noise > 0:
+        std = mean.float().std(dim=(0, 2, 3, 4), keepdim=True)  # [1, C, 1, 1, 1]
+        noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(seed))
+        mean = (mean.float() + latent_noise * std * noise).to(mean.dtype)
     out = to_uint8_frames(vae.decode(mean)[0])
     if len(out) < len(frames):
         out = np.concatenate([out, np.repeat(out[-1:], len(frames) - len(out), 0)])
@@ -224,8 +233,9 @@ def vae_roundtrip(models: Any, frames: np.ndarray) -> np.ndarray:
 
 
 def run_model(name: str, models: Any, case: Case, *, reference_mode: str = "video",
-              steps: int | None = None) -> Generated:
-    """The video `name` makes for `case`: a baseline's frames, or the model's run."""
+              steps: int | None = None, latent_noise: float = 0.0, seed: int = 0) -> Generated:
+    """The video `name` makes for `case`: a baseline's frames, or the model's run (`latent_noise`,
+    `seed`: of a `vae-roundtrip:` baseline, see `vae_roundtrip`)."""
     n = len(case.gt)
     nominal = list(range(0, n, NOMINAL_CHUNK))
     if name == "ground-truth":
@@ -235,7 +245,7 @@ def run_model(name: str, models: Any, case: Case, *, reference_mode: str = "vide
     if name == "wrong-identity":
         return Generated(case.wrong_identity_frames(), nominal)
     if name.startswith(ROUNDTRIP):
-        return Generated(vae_roundtrip(models, case.gt), nominal)
+        return Generated(vae_roundtrip(models, case.gt, latent_noise, seed), nominal)
     ref = case.reference[:1] if reference_mode == "frame" else case.reference
     return generate(models, ref, case.clip.audio, n, steps=steps)
 
@@ -265,9 +275,10 @@ class Bench:
         return case.gt_eval
 
     def run(self, case: Case, name: str, models: Any, *, reference_mode: str = "video",
-            steps: int | None = None) -> tuple[Generated, dict[str, Any], Evaluation]:
+            steps: int | None = None, latent_noise: float = 0.0) -> tuple[Generated, dict[str, Any], Evaluation]:
         """(the video, its metrics incl. fps/ttff, the evaluation with tracks) of `name` on `case`."""
-        gen = run_model(name, models, case, reference_mode=reference_mode, steps=steps)
+        gen = run_model(name, models, case, reference_mode=reference_mode, steps=steps,
+                        latent_noise=latent_noise, seed=self.seed)
         ev = self.ground_truth(case) if name == "ground-truth" else self.score(case, gen)
         m = dict(ev.metrics)
         m.update(fps=gen.fps, ttff_s=gen.ttff_s, **gen.extra)
@@ -290,17 +301,23 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
 def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int = 3, seed: int = 0,
                   out: Path | None = None, experts: Experts | None = None, plots: bool = True,
                   reference_mode: str = "video", steps: int | None = None,
-                  seconds_per_chunk: float | None = None, strategy: str | None = None) -> dict[str, Any]:
+                  seconds_per_chunk: float | None = None, strategy: str | None = None,
+                  latent_noise: float | None = None) -> dict[str, Any]:
     """Score `model` on `clips` cases of `split`; writes OUT/report.{json,md} and PNGs when `out`
     is given; returns the summary (stable keys + per-case metrics). `seconds_per_chunk`: run the
     model with that chunk length instead of its own (the live server's, for instance); `strategy`:
-    with that continuity strategy instead of its own (prefix, interp, causal)."""
+    with that continuity strategy instead of its own (prefix, interp, causal); `latent_noise`: of
+    a `vae-roundtrip:` baseline (see `vae_roundtrip`)."""
     check_bench_args(split, seconds, clips)
     check_run_options(model, reference_mode, steps)
     if seconds_per_chunk is not None and (model in BASELINES or model.startswith(ROUNDTRIP)):
         raise InputError(f"--seconds-per-chunk applies to registry models; {model} is a baseline")
     if strategy is not None and (model in BASELINES or model.startswith(ROUNDTRIP)):
         raise InputError(f"--strategy applies to registry models; {model} is a baseline")
+    if latent_noise is not None and not model.startswith(ROUNDTRIP):
+        raise InputError(f"--latent-noise applies to the vae-roundtrip:NAME baseline, not {model}")
+    if latent_noise is not None and not 0.0 <= latent_noise <= 10.0:
+        raise InputError(f"--latent-noise must be between 0 and 10, got {latent_noise}")
     if strategy is not None and strategy not in STRATEGIES:
         raise InputError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     models = load_subject(model)
@@ -312,7 +329,8 @@ def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int =
     bench = Bench(split, seconds=seconds, clips=clips, seed=seed, experts=experts)
     cases: list[dict[str, Any]] = []
     for case in bench.cases:
-        gen, m, ev = bench.run(case, model, models, reference_mode=reference_mode, steps=steps)
+        gen, m, ev = bench.run(case, model, models, reference_mode=reference_mode, steps=steps,
+                               latent_noise=latent_noise or 0.0)
         row = {**case.info(), "metrics": m, "drift": ev.drift}
         if out is not None and plots:
             out.mkdir(parents=True, exist_ok=True)
@@ -326,6 +344,7 @@ def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int =
                    steps=(models.config.steps if steps is None else steps) if models is not None else None,
                    chunk=models.config.chunk if models is not None else None,
                    strategy=models.config.strategy if models is not None else None,
+                   latent_noise=latent_noise,
                    wall_s=round(time.perf_counter() - t0, 2),
                    cases=[{k: v for k, v in c.items() if k != "plots"} for c in cases])
     if out is not None:
