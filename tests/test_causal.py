@@ -98,6 +98,43 @@ def test_cached_path_equals_plain_block_causal_path(dit, adaptive_sink, rolling_
         assert float((out.motion_velocity - mv).abs().max()) <= TOL
 
 
+@pytest.mark.parametrize("x0_skip", [False, True])
+def test_one_block_without_history_is_the_plain_dit(dit, x0_skip):
+    """A single block holding the whole sequence, with no history and the reference as the sink,
+    attends to exactly what the bidirectional DiT attends to, so both causal paths (streaming and
+    dense) equal `VideoRefDiT.forward` on the same inputs, scene anchor included (its embedding
+    joins the generation patches on every path; tolerance 1e-5 as above)."""
+    import dataclasses
+
+    from avatarstream.cache.sink import SinkCache
+    from avatarstream.models.causal import causal_block_forward
+
+    net = dit
+    if x0_skip:
+        net = VideoRefDiT(dataclasses.replace(dit.config, x0_skip=True)).eval()
+        net.load_state_dict(dit.state_dict())
+    assert getattr(net, "anchor_embedding", None) is not None
+    ref, valid = reference()
+    g = torch.Generator().manual_seed(5)
+    t = 6
+    x, m = torch.randn(1, 4, t, 4, 4, generator=g), torch.randn(1, t, 4, generator=g)
+    cond = DiTCondition(motion=m, audio=torch.randn(1, t, 6, 16, generator=g),
+                        text=torch.randn(1, 5, 16, generator=g), t_pos=torch.arange(10, 10 + t, dtype=torch.float32),
+                        anchor=torch.randn(1, 4, 4, 4, generator=g))
+    sigma = torch.full((1, t), 0.6)
+    with torch.no_grad():
+        cached = net.encode_reference(ref, valid, torch.full((R,), 2.0))
+        want = net(x, sigma, cond, cached)
+        sink = SinkCache(cached, 2.0, head_dim=net.config.dim // net.config.heads, theta=net.config.rope_theta)
+        got, _ = causal_block_forward(net, x, sigma, cond, sink.at(2.0), None)
+        dense = block_causal_forward(net, x, sigma, cond, [(ref, valid, 2.0)], [0], block=t, history=0)
+        no_anchor = net(x, sigma, dataclasses.replace(cond, anchor=None), cached)
+    for out in (got, dense):
+        assert float((out.velocity - want.velocity).abs().max()) <= TOL
+        assert float((out.motion_velocity - want.motion_velocity).abs().max()) <= TOL
+    assert float((no_anchor.velocity - want.velocity).abs().max()) > 100 * TOL  # the anchor matters
+
+
 def test_block_causal_mask_layout():
     valid = [torch.tensor([[True, False]]), torch.tensor([[True]])]
     p, blk = 1, 2

@@ -314,3 +314,69 @@ def test_scores_see_the_window_in_pieces(dataset):
             x0b, _ = task._score(task.nets["teacher"], b, xt2, mt, sigma)
         changed[window] = float((x0a[:, :, :3] - x0b[:, :, :3]).abs().max())
     assert changed[3] == 0.0 and changed[0] > 1e-4, changed
+
+
+def test_dmd_gradient_mouth_emphasis_reweights_without_moving_the_fixed_point(dataset):
+    """dmd.mouth / dmd.eyes multiply the DMD gradient by the flow stages' mouth/eye weight map:
+    the same draws give the uniform gradient times that map (largest at the data's mouth), and a
+    fake score equal to the real one still gives exactly zero."""
+    from avatarstream.train.tasks import _latent_points
+
+    grads = {}
+    for mouth in (0.0, 4.0):
+        task = _dmd_task(dataset, dmd__mouth=mouth, dmd__eyes=mouth / 2)
+        b = task.conditions(step_generator(3, 0))
+        x0 = torch.randn(b["x0"].shape, generator=torch.Generator().manual_seed(1))
+        m0 = torch.randn(b["m0"].shape, generator=torch.Generator().manual_seed(2))
+        gx0, _, _ = task.dmd_gradient(b, x0, m0, torch.Generator().manual_seed(4))
+        assert float(gx0.abs().max()) == 0.0  # fake == real (both the teacher's weights)
+        with torch.no_grad():
+            for p in task.nets["fake"].parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        grads[mouth], _, _ = task.dmd_gradient(b, x0, m0, torch.Generator().manual_seed(4))
+    flat, weighted = grads[0.0], grads[4.0]
+    assert float(flat.abs().mean()) > 0
+    w = task.latent_weight(b["clips"], b["starts"], x0.shape[-1])  # [B, 1, T, h, w]
+    assert torch.allclose(weighted, flat * w, rtol=1e-5, atol=1e-12)
+    pts = _latent_points(task.data.table(b["clips"][0]), [b["starts"][0]], x0.shape[-1] / task.data.hr_size)
+    mx, my = (int(v) for v in pts[0, :2].clamp(0, x0.shape[-1] - 1))
+    assert float(w[0, 0, 0, my, mx]) > float(w[0, 0, 0].min()) * 2
+
+
+def test_scores_lead_each_piece_with_the_samples_clean_frame(dataset):
+    """score_given: each piece of score_window − 1 frames is scored after the sample's clean frame
+    before it, at σ = 0 (the bidirectional model's training regime: a clean given frame), exactly
+    as one call of the DiT on [clean frame, noisy piece] at timeline 0..; the window's frame 0
+    leads the first piece, gets velocity 0 and no weight, and a different clean lead frame
+    changes the piece's score."""
+    from avatarstream.engine.causal import guidance_tensor
+    from avatarstream.models.dit import DiTCondition
+
+    task = _dmd_task(dataset, dmd__score_window=4, dmd__score_given=True)
+    b = task.conditions(step_generator(2, 0))
+    g = torch.Generator().manual_seed(0)
+    xt, mt = torch.randn(b["x0"].shape, generator=g), torch.randn(b["m0"].shape, generator=g)
+    x0, m0 = torch.randn(b["x0"].shape, generator=g), torch.randn(b["m0"].shape, generator=g)
+    sigma = torch.full((xt.shape[0],), 0.7)
+    net = task.nets["teacher"]
+    with torch.no_grad():
+        v, mv = task._score_velocity(net, b, xt, mt, sigma, (x0, m0))
+        # the second piece: frames 4..6, led by the clean frame 3
+        ref = net.encode_reference(b["ref_lat"], b["ref_valid"], torch.full((b["ref_lat"].shape[2],), -8.0))
+        x_in = torch.cat([x0[:, :, 3:4], xt[:, :, 4:7]], dim=2)
+        m_in = torch.cat([m0[:, 3:4], mt[:, 4:7]], dim=1)
+        sig = torch.tensor([[0.0, 0.7, 0.7, 0.7]]).expand(xt.shape[0], -1)
+        cond = DiTCondition(motion=m_in, audio=b["audio"][:, 3:7], text=b["text"], text_mask=b["text_mask"],
+                            t_pos=torch.arange(4, dtype=torch.float32), anchor=b["anchor"],
+                            guidance=guidance_tensor(task.teacher_guidance, xt.shape[0], torch.device("cpu")))
+        want = net(x_in, sig, cond, ref)
+        x0b = x0.clone()
+        x0b[:, :, 3] += 1.0
+        v2, _ = task._score_velocity(net, b, xt, mt, sigma, (x0b, m0))
+    assert torch.allclose(v[:, :, 4:7], want.velocity.float()[:, :, 1:], atol=1e-5)
+    assert torch.allclose(mv[:, 4:7], want.motion_velocity.float()[:, 1:], atol=1e-5)
+    assert float(v[:, :, 0].abs().max()) == 0.0 and float(mv[:, 0].abs().max()) == 0.0
+    assert float(v[:, :, 1:].abs().min(dim=1).values.mean()) > 0  # every other frame scored
+    assert task.scored_frames().tolist() == [0.0] + [1.0] * (task.T - 1)
+    assert float((v2[:, :, 4:7] - v[:, :, 4:7]).abs().max()) > 1e-4  # the lead frame matters
+    assert float((v2[:, :, 1:3] - v[:, :, 1:3]).abs().max()) == 0.0  # only to its own piece

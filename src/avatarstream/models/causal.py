@@ -75,7 +75,7 @@ def causal_block_forward(dit: VideoRefDiT, x: torch.Tensor, sigma: torch.Tensor,
     b, _, t = x.shape[:3]
     sigma = dit._sigma(sigma, b, t, x.device)
     e, e6 = dit._time(sigma, cond.guidance)
-    patches, hp, wp = dit._patches(x)
+    patches, hp, wp = dit._gen_patches(x, cond.anchor)
     mt = dit._motion_tokens(cond.motion, e)
     h = torch.cat([patches, mt[:, :, None].to(patches.dtype)], dim=2)  # [B, Tb, P, D]
     text, tmask, audio, t_pos = dit._context(cond, t)
@@ -153,7 +153,7 @@ def block_causal_forward(dit: VideoRefDiT, x: torch.Tensor, sigma: torch.Tensor,
     sigma = dit._sigma(sigma, b, t, x.device)
     e, e6 = dit._time(sigma, cond.guidance)
     _, e06 = dit._time(torch.zeros(1, 1, device=x.device))
-    patches, hp, wp = dit._patches(x)
+    patches, hp, wp = dit._gen_patches(x, cond.anchor)
     mt = dit._motion_tokens(cond.motion, e)
     xg = torch.cat([patches, mt[:, :, None].to(patches.dtype)], dim=2)  # [B, T, P, D]
     text, tmask, audio, t_pos = dit._context(cond, t)

@@ -20,7 +20,10 @@ the generator's own samples). Per iteration (Algorithm 2):
    × the tensor's RMS) before it enters the caches, and no clean re-run refreshes them: later
    blocks always read noisy history. No gradients here.
 2. `dmd_gradient`: x̂0 of all blocks -> x_t at a random σ; real and fake scores give x0_real,
-   x0_fake; the DMD gradient w.r.t. the sample is (x0_fake − x0_real) / mean|x̂0 − x0_real|.
+   x0_fake; the DMD gradient w.r.t. the sample is (x0_fake − x0_real) / mean|x̂0 − x0_real|,
+   times the mouth/eye weight map (`mouth`, `eyes`, `radius`, as the flow-matching stages weight
+   their loss; 0, 0: uniform). The weight moves no fixed point (fake == real still gives zero);
+   it spends more of each update where lip sync and identity live.
 3. **Block-wise gradient accumulation** (`blockwise_backward`): for each block from the last to
    the first, re-run the generator at step s on its stored input with the stored (detached) history
    and backpropagate that block's share of the DMD gradient; only one block's graph is alive at a
@@ -283,30 +286,61 @@ class SelfForcingDMDTask(_CausalTask):
 
     # -- DMD ---------------------------------------------------------------------------------------
     def _score_velocity(self, net: VideoRefDiT, b: dict[str, Any], xt: torch.Tensor, mt: torch.Tensor,
-                        sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                        sigma: torch.Tensor, clean: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(velocity, motion velocity) of a bidirectional score (teacher or fake) at sigma `[B]`,
         over the window in pieces of `score_window` frames (0: whole), each placed at timeline
         0.. as the bidirectional model was trained, so a window longer than its training chunk
-        is never scored at temporal distances it has not seen."""
+        is never scored at temporal distances it has not seen.
+
+        With `score_given` and `clean` (the sample's own clean estimates `x0`, `m0`), every piece
+        is led by the clean frame before it, at σ = 0 (the bidirectional model never trained
+        without a clean given frame: its ref2v / prefix2v chunks; without one it keeps the mouth
+        still, which is what an unconditioned score would then teach). Frame 0 of the window
+        leads the first piece and is not scored: its velocity is 0 here, so real and fake agree
+        on it and the DMD gradient and the fake score's loss skip it (`scored_frames`)."""
         T, n = self.T, self.cfg["score_window"] or self.T
         ref = net.encode_reference(b["ref_lat"], b["ref_valid"],
                                    torch.full((b["ref_lat"].shape[2],), float(self.cfg["ref_t_position"])))
-        vs, mvs = [], []
-        for a in range(0, T, n):
-            sl = slice(a, min(a + n, T))
-            k = sl.stop - sl.start
-            cond = DiTCondition(motion=mt[:, sl], audio=b["audio"][:, sl], text=b["text"], text_mask=b["text_mask"],
+        given = self.cfg["score_given"] and clean is not None
+        B = xt.shape[0]
+        v_all = torch.zeros(xt.shape, dtype=torch.float32, device=xt.device)
+        mv_all = torch.zeros(mt.shape, dtype=torch.float32, device=mt.device)
+        step = n - 1 if given else n
+        for a in range(1 if given else 0, T, step):
+            sl = slice(a, min(a + step, T))
+            x_in, m_in = xt[:, :, sl], mt[:, sl]
+            sig = sigma[:, None].expand(-1, sl.stop - sl.start)
+            lo = a
+            if given:
+                assert clean is not None
+                x_in = torch.cat([clean[0][:, :, a - 1 : a].to(xt.dtype), x_in], dim=2)
+                m_in = torch.cat([clean[1][:, a - 1 : a].to(mt.dtype), m_in], dim=1)
+                sig = torch.cat([torch.zeros(B, 1, device=sigma.device), sig], dim=1)
+                lo = a - 1
+            k = x_in.shape[2]
+            cond = DiTCondition(motion=m_in, audio=b["audio"][:, lo : lo + k], text=b["text"],
+                                text_mask=b["text_mask"],
                                 t_pos=torch.arange(k, dtype=torch.float32, device=self.device), anchor=b["anchor"],
-                                guidance=guidance_tensor(self.teacher_guidance, xt.shape[0], self.device))
-            out = net(xt[:, :, sl], sigma[:, None].expand(-1, k), cond, ref)
-            vs.append(out.velocity.float())
-            mvs.append(out.motion_velocity.float())
-        return torch.cat(vs, dim=2), torch.cat(mvs, dim=1)
+                                guidance=guidance_tensor(self.teacher_guidance, B, self.device))
+            out = net(x_in, sig, cond, ref)
+            v_all[:, :, sl] = out.velocity.float()[:, :, k - (sl.stop - sl.start):]
+            mv_all[:, sl] = out.motion_velocity.float()[:, k - (sl.stop - sl.start):]
+        return v_all, mv_all
+
+    def scored_frames(self) -> torch.Tensor:
+        """`[T]` float: 1 for the frames the scores judge, 0 for the given lead frame (see
+        `_score_velocity`)."""
+        w = torch.ones(self.T, device=self.device)
+        if self.cfg["score_given"]:
+            w[0] = 0.0
+        return w
 
     def _score(self, net: VideoRefDiT, b: dict[str, Any], xt: torch.Tensor, mt: torch.Tensor,
-               sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               sigma: torch.Tensor, clean: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """x0 and motion-x0 predictions of a bidirectional score (see `_score_velocity`)."""
-        v, mv = self._score_velocity(net, b, xt, mt, sigma)
+        v, mv = self._score_velocity(net, b, xt, mt, sigma, clean)
         s5 = sigma[:, None, None, None, None]
         return xt - s5 * v, mt - sigma[:, None, None] * mv
 
@@ -321,11 +355,14 @@ class SelfForcingDMDTask(_CausalTask):
         xt = (1 - s5) * x0 + s5 * eps
         mt = (1 - sigma[:, None, None]) * m0 + sigma[:, None, None] * eps_m
         with torch.no_grad():
-            xr, mr = self._score(self.nets["teacher"], b, xt, mt, sigma)
-            xf, mf = self._score(self.nets["fake"], b, xt, mt, sigma)
-        wx = (x0 - xr).abs().mean(dim=(1, 2, 3, 4), keepdim=True).clamp_min(1e-6)
-        wm = (m0 - mr).abs().mean(dim=(1, 2), keepdim=True).clamp_min(1e-6)
+            xr, mr = self._score(self.nets["teacher"], b, xt, mt, sigma, (x0, m0))
+            xf, mf = self._score(self.nets["fake"], b, xt, mt, sigma, (x0, m0))
+        on = self.scored_frames().bool()  # the normaliser over the frames the scores judge
+        wx = (x0 - xr)[:, :, on].abs().mean(dim=(1, 2, 3, 4), keepdim=True).clamp_min(1e-6)
+        wm = (m0 - mr)[:, on].abs().mean(dim=(1, 2), keepdim=True).clamp_min(1e-6)
         gx = (xf - xr) / wx / x0[0].numel() / B
+        if c["mouth"] or c["eyes"]:  # emphasis only: the gradient still vanishes where fake == real
+            gx = gx * self.latent_weight(b["clips"], b["starts"], x0.shape[-1])
         gm = c["motion"] * (mf - mr) / wm / m0[0].numel() / B
         gap = float((xf - xr).square().mean())
         return gx, gm, {"dmd": float(0.5 * ((xf - xr) / wx).square().mean()), "score_gap": gap,
@@ -378,10 +415,12 @@ class SelfForcingDMDTask(_CausalTask):
         xt = (1 - s5) * x0 + s5 * eps
         mt = (1 - sigma[:, None, None]) * m0 + sigma[:, None, None] * eps_m
         fake: VideoRefDiT = self.nets["fake"]
-        v, mv = self._score_velocity(fake, b, xt, mt, sigma)
+        v, mv = self._score_velocity(fake, b, xt, mt, sigma, (x0, m0))
         wf = x0_floor_weight(sigma[:, None].expand(-1, self.T), fake.config.x0_skip)
-        loss_f = ((v - (eps - x0)).square() * wf).mean()
-        loss_fm = (mv - (eps_m - m0)).square().mean()
+        keep = self.scored_frames()  # [T]
+        wf = wf * keep[None, None, :, None, None]
+        loss_f = ((v - (eps - x0)).square() * wf).mean() * self.T / keep.sum()
+        loss_fm = ((mv - (eps_m - m0)).square() * keep[None, :, None]).mean() * self.T / keep.sum()
         fake_loss = loss_f + c["motion"] * loss_fm
         logs.update(loss=float(fake_loss.detach()), fake=float(loss_f.detach()), exit_step=s,
                     sample_rms=float(x0.square().mean().sqrt()), gen_update=int(gen_update))

@@ -74,6 +74,8 @@ _CAUSAL = {"chunk": 12, "block": 3, "history": 4, "ref_frames": 8, "p_cross_scen
 DEFAULTS["df"] = {**_CAUSAL, "p_shared_sigma": 0.25, "mouth": 2.0, "eyes": 1.0, "radius": 0.06}
 DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigma_max": 0.98,
                    "history_corrupt": 0.05, "adaptive_sink": True, "blockwise_grad": True, "teacher": "",
+                   # mouth/eye emphasis of the DMD gradient (0, 0: uniform)
+                   "mouth": 0.0, "eyes": 0.0, "radius": 0.06,
                    # scales the real and fake scores get (a CFG-distilled teacher: the guided
                    # distribution the student is distilled to)
                    "teacher_guidance": [],
@@ -81,7 +83,10 @@ DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigm
                    "fake_updates": 1,
                    # the real and fake scores see the window in pieces of this many latent frames
                    # (0: whole); a bidirectional model trained on chunks of 8 scores 7 well, 21 not
-                   "score_window": 0}
+                   "score_window": 0,
+                   # each scored piece led by the sample's clean frame before it (see
+                   # SelfForcingDMDTask._score_velocity)
+                   "score_given": False}
 
 
 def recipe_dirs() -> list[Path]:
