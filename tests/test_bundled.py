@@ -51,3 +51,14 @@ def test_committed_checkpoint_loads_and_generates(one_thread, causal):
     err = np.abs(frames.astype(np.float32) - want).mean(axis=(1, 2, 3))
     other = np.abs(frames.astype(np.float32) - want[::-1]).mean(axis=(1, 2, 3))  # the picture upside down
     assert err.max() < 25 and err.max() < 0.5 * other.min(), (err.max(), other.min())
+
+
+def test_bundled_weights_stay_within_the_repository_budget():
+    """Every bundled model's files together (weights, configs, cards, plots) stay under 50 MB,
+    the budget for what the repository ships."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "src" / "avatarstream" / "weights"
+    sizes = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in root.iterdir() if d.is_dir()}
+    assert sizes, "no bundled model folder"
+    assert sum(sizes.values()) <= 50 * 2**20, sizes
