@@ -196,7 +196,8 @@ def test_rollout_is_the_engine_streaming_computation(dataset, guidance):
     outs = {}
     for scales in {None, guidance}:
         den = CausalDenoiser(Module("dit", gen), task.sigmas, CausalSettings(kv_blocks=1, guidance=scales))
-        den.start(gen.encode_reference(b["ref_lat"], b["ref_valid"], torch.full((3,), -8.0)))
+        den.start(gen.encode_reference(b["ref_lat"], b["ref_valid"], torch.full((3,), -8.0)),
+                  b["anchor"])  # the scene anchor, as the engine passes it (scene_anchor)
         outs[scales] = []
         for i in range(3):
             x, m = den.denoise(*noise[i], audio=b["audio"][:, 3 * i:3 * i + 3], text=b["text"],
