@@ -294,9 +294,9 @@ class SelfForcingDMDTask(_CausalTask):
         is never scored at temporal distances it has not seen.
 
         With `score_given` and `clean` (the sample's own clean estimates `x0`, `m0`), every piece
-        is led by the clean frame before it, at σ = 0 (the bidirectional model never trained
-        without a clean given frame: its ref2v / prefix2v chunks; without one it keeps the mouth
-        still, which is what an unconditioned score would then teach). Frame 0 of the window
+        is led by the clean frame before it, at σ = 0: the regime the bidirectional model was
+        trained in (its ref2v / prefix2v / interpolation chunks always hold a clean given frame),
+        and continuity across a piece's start is judged too. Frame 0 of the window
         leads the first piece and is not scored: its velocity is 0 here, so real and fake agree
         on it and the DMD gradient and the fake score's loss skip it (`scored_frames`)."""
         T, n = self.T, self.cfg["score_window"] or self.T
