@@ -218,6 +218,37 @@ def test_damaged_checkpoint_falls_back_and_resume_needs_same_recipe(dataset, tmp
         run("a2v-tiny", dataset, tmp_path / "r", resume=True, **dict(over, a2v__motion=0.9))
 
 
+
+def test_resume_may_lengthen_a_run_and_records_it(dataset, tmp_path):
+    """`--resume --set train.steps=N`: a finished run continues to N; the lr schedule from the
+    checkpoint on follows N; the change is recorded; any other change is still refused."""
+    import json as _json
+
+    from avatarstream.errors import ConfigError
+    from avatarstream.train.optim import lr_at
+
+    over = dict(FAST["a2v-tiny"], train__checkpoint_every=2)
+    first = run("a2v-tiny", dataset, tmp_path / "r", **dict(over, train__steps=4))
+    w4 = {k: v.clone() for k, v in _state(first).items()}
+    with pytest.raises(ConfigError, match="not past"):
+        run("a2v-tiny", dataset, tmp_path / "r", resume=True, **dict(over, train__steps=3))
+    t = run("a2v-tiny", dataset, tmp_path / "r", resume=True, **dict(over, train__steps=8))
+    assert t.step == 8 and t.steps_changed == [[4, 4, 8]]
+    assert any(not torch.equal(w4[k], v) for k, v in _state(t).items())
+    rows = [_json.loads(ln) for ln in (tmp_path / "r" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(8))
+    tr = t.recipe["train"]
+    assert rows[5]["lr"] == pytest.approx(lr_at(5, lr=tr["lr"], warmup=tr["warmup"], total=8,
+                                                min_ratio=tr["min_lr_ratio"]), rel=1e-4)
+    summary = _json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["steps_changed"] == [[4, 4, 8]]
+    # a further lengthening keeps the history; a change of anything else is refused
+    t = run("a2v-tiny", dataset, tmp_path / "r", resume=True, **dict(over, train__steps=10))
+    assert t.steps_changed == [[4, 4, 8], [8, 8, 10]]
+    with pytest.raises(ConfigError, match="different recipe"):
+        run("a2v-tiny", dataset, tmp_path / "r", resume=True, **dict(over, train__steps=12, a2v__motion=0.9))
+
+
 # -- export ---------------------------------------------------------------------------------------
 def test_export_loads_into_registry(trained, dataset, tmp_path, monkeypatch):
     from safetensors.torch import load_file

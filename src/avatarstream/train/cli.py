@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="avatarstream train RECIPE", add_help=False)
-    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run folder's last checkpoint (with --set train.steps=N: lengthen it)")
     p.add_argument("--run-dir", default=None, help="run folder (default runs/<recipe name>)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop (with a checkpoint) after this many steps in total; the schedule stays the recipe's")

@@ -16,6 +16,11 @@ Determinism: the batch and every noise tensor of step s come from a CPU `torch.G
 seeded from (seed, s), so a run killed at any time and resumed from its last checkpoint draws
 the same batches; with the same device and thread count the resumed weights equal the
 uninterrupted run's bit for bit. The last `keep` checkpoints are kept.
+
+Lengthening a run: `--resume --set train.steps=N` on a run whose checkpoints differ from the
+recipe only in `train.steps` continues it, with the learning-rate schedule from the checkpoint on
+following the new length (so it is not the run a fresh N-step recipe would make). Each change is
+recorded in the checkpoints' sidecars and in summary.json as `steps_changed`: [[step, from, to]].
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from avatarstream.train.recipe import fingerprint
 from avatarstream.train.tasks import Task, make_task, vae_for
 
 CKPT_VERSION = 1
+
+
+def _with_steps(recipe: dict[str, Any], steps: int) -> dict[str, Any]:
+    return {**recipe, "train": {**recipe["train"], "steps": steps}}
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -202,6 +211,7 @@ class Trainer:
                              momentum=self.tr["muon_momentum"], ns_bf16=resolve_bf16(self.tr["muon_bf16"], self.device))
         self.bf16 = resolve_bf16(self.tr["bf16"], self.device)
         self.ema = {k: p.detach().float().clone() for k, p in self.named}
+        self.steps_changed: list[list[int]] = []  # [[step, from, to]] when --resume changed train.steps
         self.step = 0
         self.elapsed = 0.0
         self._timing = (0.0, 0.0)
@@ -228,7 +238,8 @@ class Trainer:
         side = {"version": CKPT_VERSION, "step": self.step, "opt_t": self.opt.t,
                 "fingerprint": fingerprint(self.recipe), "stage": self.recipe["stage"],
                 "model": self.recipe["model"], "trainable": list(self.task.trainable),
-                "elapsed_s": round(self.elapsed, 3), "saved_at": time.time()}
+                "elapsed_s": round(self.elapsed, 3), "saved_at": time.time(),
+                "steps": self.tr["steps"], "steps_changed": self.steps_changed}
         _atomic_write_bytes(self.run_dir / f"{stem}.json", json.dumps(side, indent=1).encode())
         for _, js, st in list_checkpoints(self.run_dir)[self.tr["keep"]:]:
             js.unlink(missing_ok=True)
@@ -240,9 +251,17 @@ class Trainer:
         if ck is None:
             return False
         side, t = ck
+        self.steps_changed = [list(c) for c in side.get("steps_changed", [])]
         if side.get("fingerprint") != fingerprint(self.recipe):
-            raise ConfigError(f"{self.run_dir}: its checkpoints were made with a different recipe "
-                              "(start a new --run-dir, or restore the recipe)")
+            old = self._planned_steps(side)
+            if old is None or fingerprint(_with_steps(self.recipe, old)) != side.get("fingerprint"):
+                raise ConfigError(f"{self.run_dir}: its checkpoints were made with a different recipe "
+                                  "(start a new --run-dir, or restore the recipe; only train.steps may "
+                                  "change on --resume)")
+            if self.tr["steps"] <= int(side["step"]):
+                raise ConfigError(f"{self.run_dir}: train.steps={self.tr['steps']} is not past its last "
+                                  f"checkpoint (step {side['step']})")
+            self.steps_changed.append([int(side["step"]), int(old), int(self.tr["steps"])])
         for name, net in self.task.nets.items():
             pre = f"model.{name}."
             net.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
@@ -253,6 +272,16 @@ class Trainer:
         self.step = int(side["step"])
         self.elapsed = float(side.get("elapsed_s", 0.0))
         return True
+
+    def _planned_steps(self, side: dict[str, Any]) -> int | None:
+        """The run length the checkpoint was trained for: its sidecar's, else the run's recipe.json
+        (checkpoints written before sidecars carried it)."""
+        if "steps" in side:
+            return int(side["steps"])
+        rec = self.run_dir / "recipe.json"
+        if rec.is_file():
+            return int(json.loads(rec.read_text())["train"]["steps"])
+        return None
 
     # -- loop -------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -357,6 +386,8 @@ class Trainer:
                    "params": {n: sum(p.numel() for p in self.task.nets[n].parameters())
                               for n in self.task.trainable},
                    "plots": [str(p) for p in plots]}
+        if self.steps_changed:
+            summary["steps_changed"] = self.steps_changed
         if self.step >= total:
             (rd / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
