@@ -62,3 +62,23 @@ def test_bundled_weights_stay_within_the_repository_budget():
     sizes = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in root.iterdir() if d.is_dir()}
     assert sizes, "no bundled model folder"
     assert sum(sizes.values()) <= 50 * 2**20, sizes
+
+
+@pytest.mark.parametrize("argv, want", [([], ("avatarstream-small", "prefix", 2)),
+                                        (["--strategy", "causal"], ("avatarstream-small-causal", "causal", 4))])
+def test_generate_picks_the_bundled_model_for_the_strategy(one_thread, media, tmp_path, capsys, argv, want):
+    """`generate` without --model runs the bundled model; with `--strategy causal`, its causal
+    student (each at its own default steps)."""
+    import json
+    from pathlib import Path
+
+    from avatarstream.cli import main
+    from avatarstream.registry import BUNDLED_CAUSAL, MODELS
+
+    if BUNDLED_CAUSAL not in MODELS:
+        pytest.skip("no bundled causal student")
+    ex = Path(__file__).resolve().parents[1] / "examples"
+    assert main(["generate", "--reference", str(ex / "reference.png"), "--audio", str(media["wav_3s"]),
+                 "--out", str(tmp_path / "o.mp4"), "--no-progress", "--json", *argv]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (r["model"], r["strategy"], r["steps"]) == want and r["frames"] == 75

@@ -63,6 +63,26 @@ def test_bench_drift_json(capsys):
     assert set(r["ablations"]) == {"no_adaptive_sink", "no_rolling_rope", "no_history_corrupt"}
     assert r["ablations"]["no_history_corrupt"]["windows"] is None
     assert r["ablations"]["no_adaptive_sink"]["windows"][0]["face_sim"] != r["windows"][0]["face_sim"]
+    assert r["detail"][0]["audio_phase_s"] == 0.0
+    gt = r["ground_truth"]  # the speech clip's own render, scored the same way
+    assert gt["seconds"] == 4.0 and gt["sync_c"] > r["windows"][0]["sync_c"] and 0 < gt["face_sim"] <= 1
+
+
+def test_drift_windows_hear_the_same_speech():
+    """With the default loop (one window long), every window of a 1000 s or 100 s rollout is
+    given the same samples, so Sync-C changes between windows are not changes of speech."""
+    from avatarstream.bench.drift import drift_windows, looped_slice
+    from avatarstream.eval.metrics import DRIFT_LEN
+
+    sr, fps = 16000, 25
+    speech = np.random.default_rng(0).standard_normal(int(DRIFT_LEN * sr)).astype(np.float32)
+    spf = sr // fps
+    for seconds in (100.0, 1000.0):
+        wins = drift_windows(seconds)
+        assert wins[-1] == (seconds - DRIFT_LEN, seconds)
+        first = looped_slice(speech, int(wins[0][0] * fps) * spf, int(wins[0][1] * fps) * spf)
+        for a, b in wins[1:]:
+            assert np.array_equal(looped_slice(speech, int(a * fps) * spf, int(b * fps) * spf), first)
 
 
 def test_bench_tpp_json(capsys):

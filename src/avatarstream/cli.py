@@ -119,7 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.model = resolve_model(args.model)
+    # no --model: the bundled model, or its causal student for --strategy causal / --workers
+    args.model = resolve_model(args.model, causal=args.strategy == "causal" or args.workers is not None)
     out = Path(args.out)
     check_writable(out)
     spec_cfg = model_spec_for(args.model).pipeline()
@@ -182,7 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else:
                 s.abort()  # nothing useful written: leave no broken file behind
     result = summary.as_dict()
-    result.update(model=args.model, strategy=cfg.strategy, out=str(out))
+    result.update(model=args.model, strategy=cfg.strategy, steps=cfg.steps, out=str(out))
     _print_summary(result)
     if args.json:
         print(json.dumps(result))

@@ -109,8 +109,8 @@ def model_spec_for(name: str) -> ModelSpec:
 
 def resolve_model(name: str | None, *, causal: bool = False) -> str:
     """A command's --model: the name if it is registered (or a weights folder); when none was
-    given DEFAULT_MODEL, or with `causal` (a benchmark of the causal strategy)
-    DEFAULT_CAUSAL_MODEL."""
+    given DEFAULT_MODEL, or with `causal` (the causal strategy was asked for: `generate
+    --strategy causal`, the causal benchmarks) DEFAULT_CAUSAL_MODEL."""
     if name is None:
         name = DEFAULT_CAUSAL_MODEL if causal else DEFAULT_MODEL
     model_spec_for(name)

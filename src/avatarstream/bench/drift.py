@@ -3,7 +3,12 @@ long-video ablations (Table 4), with memory watched along the way.
 
 The case is held out (`eval benchmark`'s cross-scene setup): a held-out identity's reference clip
 and the speech of another clip of that person, looped to `--seconds` as Live Avatar repeats its
-audio for the 10,000 s run. The rollout streams: audio is handed to the pipeline in 0.2 s pieces
+audio for the 10,000 s run. The loop is as long as a window (10 s, `--speech-seconds`), so every
+window that starts on a multiple of it (all of them when `--seconds` is a multiple of 10) hears
+the same speech: a change of Sync-C between windows is then the model's (drift, or the noise of
+its sampling), not a change of what is said. Each row gives its `audio_phase_s` (where in the loop
+it starts), and `ground_truth` scores the speech clip's own render (the same person, voice and
+words) the same way, for the scale of Sync-C. The rollout streams: audio is handed to the pipeline in 0.2 s pieces
 and only the frames inside the scoring windows are kept (at most five windows, whatever
 `--seconds` is); they are scored after the rollout, so scoring never slows generation down and
 the reported fps is the pipeline's.
@@ -69,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-history-corrupt-model", default=None, metavar="NAME",
                         help="the same causal model trained without History Corrupt (ablation row)")
     parser.add_argument("--no-ablations", action="store_true", help="only the full model's rollout")
-    parser.add_argument("--speech-seconds", type=float, default=20.0,
-                        help="length of the speech clip that is looped")
+    parser.add_argument("--speech-seconds", type=float, default=10.0,
+                        help="length of the speech clip that is looped (default: one window, so "
+                             "windows starting on multiples of it hear the same speech)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each rollout")
 
 
@@ -194,21 +200,45 @@ class WindowSink:
 # the case and one rollout
 
 
+def _speech_clip(seed: int, speech_seconds: float) -> Any:
+    from avatarstream.data import Clip, DatasetConfig, clip_specs
+
+    specs = clip_specs(DatasetConfig(identities=1, clips_per_identity=2, seconds=speech_seconds, seed=seed,
+                                     split="heldout-identity"))
+    return Clip(specs[0])
+
+
 def drift_case(seed: int, size: int, speech_seconds: float, ref_frames: int) -> tuple[np.ndarray, np.ndarray]:
     """(reference [F_r, S, S, 3] uint8 at `size`, speech [N] float32 16 kHz) of a held-out case."""
     from avatarstream.data import Clip, DatasetConfig, clip_specs
     from avatarstream.media.reference import square_resize, usable_frame_count
 
     ref_s = max(1.0, ref_frames / 25.0)
-    specs = clip_specs(DatasetConfig(identities=1, clips_per_identity=2, seconds=speech_seconds, seed=seed,
-                                     split="heldout-identity"))
-    speech = Clip(specs[0]).audio.astype(np.float32)
+    speech = _speech_clip(seed, speech_seconds).audio.astype(np.float32)
     ref_spec = clip_specs(DatasetConfig(identities=1, clips_per_identity=2, seconds=ref_s, seed=seed,
                                         split="heldout-identity"))[1]
     ref = Clip(ref_spec).frames()
     k = usable_frame_count(min(len(ref), ref_frames))
     frames = torch.stack([square_resize(f, size) for f in ref[:k]])  # [k, 3, S, S]
     return frames.permute(0, 2, 3, 1).numpy(), speech
+
+
+def ground_truth(seed: int, size: int, speech_seconds: float, ref_frames: int) -> dict[str, float]:
+    """FaceSim and Sync-C of the speech clip's own render (at most one window of it), scored
+    against the same reference as the rollout."""
+    from avatarstream.eval.experts import load_experts
+    from avatarstream.data.clip import FPS
+    from avatarstream.eval.metrics import DRIFT_LEN, evaluate
+    from avatarstream.media.reference import square_resize
+
+    clip = _speech_clip(seed, speech_seconds)
+    reference, speech = drift_case(seed, size, speech_seconds, ref_frames)
+    video = clip.frames()
+    n = min(len(video), int(round(DRIFT_LEN * FPS)))
+    frames = torch.stack([square_resize(f, size) for f in video[:n]]).permute(0, 2, 3, 1).numpy()
+    spf = len(speech) // len(video)
+    m = evaluate(frames, speech[: n * spf], reference, load_experts()).metrics
+    return {"face_sim": m["face_sim"], "sync_c": m["sync_c"], "seconds": n / FPS}
 
 
 def looped(speech: np.ndarray, samples: int, piece: int = 3200) -> Iterator[torch.Tensor]:
@@ -227,7 +257,7 @@ def looped_slice(speech: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def rollout(model: str, strategy: str, seconds: float, seed: int, overrides: dict[str, Any],
-            *, speech_seconds: float = 20.0, threads: int = 1) -> dict[str, Any]:
+            *, speech_seconds: float = 10.0, threads: int = 1) -> dict[str, Any]:
     """One unbroken generation of `seconds`, scored per window (runs in the calling process)."""
     from avatarstream.engine.pipeline import Pipeline
     from avatarstream.eval.experts import load_experts
@@ -250,7 +280,10 @@ def rollout(model: str, strategy: str, seconds: float, seed: int, overrides: dic
     t0 = time.perf_counter()
     summary = Pipeline(models).run(ref_t, looped(speech, total), [sink])
     wall = time.perf_counter() - t0
-    return {"windows": sink.score(), "peak_rss_mb": round(summary.peak_rss_mb, 1),
+    rows = sink.score()
+    for r in rows:
+        r["audio_phase_s"] = round((r["start_s"] * cfg.sample_rate) % len(speech) / cfg.sample_rate, 3)
+    return {"windows": rows, "peak_rss_mb": round(summary.peak_rss_mb, 1),
             "rss_mb_start": round(rss0, 1), "rolling_state_bytes": summary.rolling_state_bytes,
             "fps": round(summary.fps, 2), "ttff_s": round(summary.ttff_s or 0.0, 3),
             "frames": summary.frames, "wall_s": round(wall, 1)}
@@ -270,7 +303,7 @@ def _change(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.registry import resolve_model
+    from avatarstream.registry import model_spec_for, resolve_model
 
     args.model = resolve_model(getattr(args, "model", None), causal=True)
     if args.no_history_corrupt_model is not None:
@@ -295,6 +328,8 @@ def run(args: argparse.Namespace) -> dict:
         "fps": full["fps"], "ttff_s": full["ttff_s"], "wall_s": full["wall_s"],
         "detail": full["windows"],
     }
+    pipe = model_spec_for(args.model).pipeline()
+    out["ground_truth"] = ground_truth(args.seed, pipe.hr_size, args.speech_seconds, pipe.ref_pixel_frames)
     if not args.no_ablations:
         abl: dict[str, Any] = {}
         for name, over in ablations_for(args.model).items():
