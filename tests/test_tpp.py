@@ -98,7 +98,7 @@ def test_cli_generate_workers_equals_single_process(media, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--workers", "2"], "causal strategy only"),
+    (["--model", "tiny-random", "--workers", "2"], "causal strategy only"),  # a prefix model
     (["--strategy", "causal", "--workers", "5"], "between 1 and the number of steps"),
     (["--strategy", "causal", "--workers", "0"], "between 1 and the number of steps"),
     (["--strategy", "causal", "--split-decode"], "add --workers"),
