@@ -219,8 +219,13 @@ def test_live_session_idles_speaks_and_interrupts(tiny):
           f"{interrupt_latency:.2f} s (chunk {chunk_s:.2f} s)")
 
 
-def test_talk_segment_equals_the_pipeline_on_the_same_speech(tiny):
-    """Prepared reference + stepped, scheduled chunk loop == Pipeline.run (frames and audio)."""
+@pytest.mark.parametrize("strategy", ["prefix", "causal"])
+def test_talk_segment_equals_the_pipeline_on_the_same_speech(tiny, strategy):
+    """Prepared reference + stepped, scheduled chunk loop == Pipeline.run (frames and audio), for
+    a prefix model (batchable stages) and a causal one (its block stage, run unbatched)."""
+    import dataclasses
+
+    tiny = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, strategy=strategy))
     c = tiny.config
     ref = torch.randint(0, 255, (1, 3, c.hr_size, c.hr_size), dtype=torch.uint8)
     speech = _tone(1.3)
