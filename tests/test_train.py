@@ -285,6 +285,53 @@ def test_export_loads_into_registry(trained, dataset, tmp_path, monkeypatch):
     assert torch.equal(w16, sd["blocks.0.self_attn.q.weight"].bfloat16().float())
 
 
+
+def test_export_shares_identical_files_with_another_folder(trained, dataset, tmp_path, monkeypatch):
+    """`export --share-with A`: networks byte-identical to A's are referred to (path + sha256),
+    not copied; the model loads the same weights as a full copy through the registry, `export`'s
+    own readers and `[init]`; a shared file that changed or is missing is one clear error."""
+    from avatarstream import registry
+    from avatarstream.errors import InputError
+    from avatarstream.train.export import export, load_exported, model_spec
+    from avatarstream.train.trainer import net_weights
+
+    runs = [trained["cfg-distill-tiny"], trained["a2v-tiny"], trained["sr-tiny"], trained["vae-tiny"]]
+    a = tmp_path / "w" / "a"
+    export(runs, a)
+    full = tmp_path / "w" / "full"
+    export(runs[:1] + runs[2:], full)  # text/audio from the distill run's frozen copies
+    b = tmp_path / "w" / "b"
+    s = export(runs[:1] + runs[2:], b, share_with=a)
+    cfg = json.loads((b / "config.json").read_text())
+    same = {n for n in ("dit", "vae", "audio", "text", "refiner")
+            if (a / f"{n}.safetensors").read_bytes() == (full / f"{n}.safetensors").read_bytes()}
+    assert same and s["shared"] == sorted(same) == sorted(cfg["shared"])
+    assert "dit" in same  # the same distill run's EMA DiT
+    for n in same:
+        assert not (b / f"{n}.safetensors").exists() and cfg["shared"][n]["file"] == f"../a/{n}.safetensors"
+    want, got = load_exported(full), load_exported(b)
+    for n in want:
+        for k, v in want[n].state_dict().items():
+            assert torch.equal(v, got[n].state_dict()[k]), (n, k)
+    n = sorted(same)[0]
+    assert all(torch.equal(v, net_weights(full, n)[k]) for k, v in net_weights(b, n).items())
+    monkeypatch.setitem(registry.MODELS, "tiny-b", model_spec(b))
+    ms = registry.load_model("tiny-b")
+    assert torch.equal(ms.dit.model.state_dict()["blocks.0.self_attn.q.weight"],
+                       want["dit"].state_dict()["blocks.0.self_attn.q.weight"])
+    f = a / f"{n}.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(InputError, match="has changed since the export"):
+        load_exported(b)
+    f.unlink()
+    with pytest.raises(InputError, match="which is missing"):
+        registry.load_model("tiny-b")
+    with pytest.raises(InputError, match="not a weights folder"):
+        export(runs, tmp_path / "w" / "c", share_with=tmp_path)
+
+
 def test_direct_dit_trains_exports_and_generates_without_a_refiner(trained, dataset, tmp_path, monkeypatch):
     """a2v `direct`: the DiT trains on the HR latents with 2x patches, starting from the LR a2v
     run lifted (`lift_patch_state`); its loss goes down; export writes no refiner and sets

@@ -141,9 +141,15 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> M
             Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner", "vae") else None)
             for k, v in nets.items()}
     if spec.weights is not None:
+        from avatarstream.train.export import weights_file
+
         for k, mod in mods.items():
             if mod is not None:
-                mod.load_safetensors(spec.weights / f"{k}.safetensors")
+                path = weights_file(spec.weights, k)
+                if path is None:
+                    raise ConfigError(f"{spec.weights}: no {k}.safetensors (a weights folder made by "
+                                      "`avatarstream train export` has one per network)")
+                mod.load_safetensors(path)
     audio_model = mods["audio"].model
     return ModelSet(name=name, config=spec.pipeline(),
                     make_audio_stream=lambda: StreamingAudioFeatures(audio_model), **mods)

@@ -68,6 +68,8 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepared", default=None,
                    help="prepared file whose VAE to bundle (default: the one the runs trained on)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="storage dtype")
+    p.add_argument("--share-with", default=None, metavar="FOLDER",
+                   help="a weights folder: networks byte-identical to its files are referred to, not copied")
     p.add_argument("--steps", type=int, default=None,
                    help="the model's default denoising steps (default: the preset's; pick it from "
                         "`eval card --sweep-steps`)")
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from avatarstream.train.export import export
 
         ns = _parse(_export_parser(), args.rest)
-        return export(ns.runs, ns.out, prepared=ns.prepared, dtype=ns.dtype, steps=ns.steps)
+        return export(ns.runs, ns.out, prepared=ns.prepared, dtype=ns.dtype, steps=ns.steps,
+                      share_with=ns.share_with)
     if args.recipe == "predict":
         from avatarstream.train.predicted import predict_latents
 

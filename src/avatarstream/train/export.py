@@ -14,12 +14,19 @@ scales it was trained with (a `dmd` student: its step count too).
 Folder: `{dit,refiner,vae,audio,text}.safetensors` + `config.json` = {"model": preset, network
 configs, "pipeline": the preset's PipelineConfig fields, "trained": net -> run, "untrained"}.
 `model_spec(folder)` turns it into a registry `ModelSpec` (weights=folder).
+
+`--share-with FOLDER`: a network whose file comes out byte-identical to FOLDER's is not stored
+twice; config.json's `"shared"` maps it to {"file": the path relative to this folder, "sha256"}
+(a causal student keeps its teacher's VAE, audio and text encoders). Every reader goes through
+`weights_file`, which checks the hash: a shared file that changed or went missing is a clear
+error, never another model's weights loaded silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +69,11 @@ def _prepared_vae(runs: list[tuple[Path, dict, dict]], prepared: str | Path | No
 
 
 def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepared: str | Path | None = None,
-           dtype: str = "bf16", steps: int | None = None) -> dict[str, Any]:
+           dtype: str = "bf16", steps: int | None = None, share_with: str | Path | None = None) -> dict[str, Any]:
     """dtype: storage of floating-point tensors ("bf16" halves the bundle; loading casts back to
     the model's dtype) or "fp32"; steps: the model's default denoising steps (None: the
-    preset's)."""
+    preset's); share_with: a weights folder whose byte-identical files this one refers to instead
+    of copying."""
     from safetensors.torch import save_file
 
     if dtype not in ("bf16", "fp32"):
@@ -119,8 +127,11 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
         net.load_state_dict(sd)
         (trained if prefix.startswith("ema") else frozen)[name] = str(rd)
     out = Path(out)
+    if share_with is not None and not (Path(share_with) / "config.json").is_file():
+        raise InputError(f"--share-with {share_with}: not a weights folder (no config.json)")
     out.mkdir(parents=True, exist_ok=True)
     total = 0
+    shared: dict[str, dict[str, str]] = {}
     stale = out / "refiner.safetensors"
     if direct and stale.exists():  # a folder re-exported as a direct model
         stale.unlink()
@@ -129,6 +140,11 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
         store = torch.bfloat16 if dtype == "bf16" else torch.float32
         save_file({k: (v.to(store) if v.is_floating_point() else v).detach().contiguous()
                    for k, v in nets[name].state_dict().items()}, str(p))
+        other = None if share_with is None else weights_file(share_with, name)
+        if other is not None and _sha256(other) == _sha256(p):
+            shared[name] = {"file": os.path.relpath(other.resolve(), out.resolve()), "sha256": _sha256(p)}
+            p.unlink()
+            continue
         total += p.stat().st_size
     from avatarstream.registry import _small_pipeline, _tiny_pipeline
 
@@ -163,9 +179,49 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
            "configs": {n: dataclasses.asdict(nets[n].cfg if n == "vae" else nets[n].config) for n in NETS if n in nets},
            "pipeline": dataclasses.asdict(pipe), "trained": trained, "dtype": dtype, "frozen_copies": frozen,
            "untrained": untrained}
+    if shared:
+        cfg["shared"] = shared
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     return {"out": str(out), "model": model, "bytes": total, "trained": trained,
-            "frozen_copies": frozen, "untrained": untrained}
+            "frozen_copies": frozen, "untrained": untrained, "shared": sorted(shared)}
+
+
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def _sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        import hashlib
+
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def weights_file(folder: str | Path, net: str) -> Path | None:
+    """The .safetensors file of `net` in an exported folder: its own, or the one config.json's
+    `shared` points to (hash checked); None if the folder has no such network."""
+    folder = Path(folder)
+    own = folder / f"{net}.safetensors"
+    if own.is_file():
+        return own
+    cfg_path = folder / "config.json"
+    ref = json.loads(cfg_path.read_text()).get("shared", {}).get(net) if cfg_path.is_file() else None
+    if ref is None:
+        return None
+    other = (folder / ref["file"]).resolve()
+    if not other.is_file():
+        raise InputError(f"{folder}: its {net} weights are shared with {ref['file']}, which is missing "
+                         "(copy that folder beside it, or re-export without --share-with)")
+    if _sha256(other) != ref["sha256"]:
+        raise InputError(f"{folder}: its {net} weights are shared with {ref['file']}, which has changed "
+                         "since the export (re-export this folder, or restore that file)")
+    return other
 
 
 def _finetuned_decoder(runs: list[tuple[Path, dict, dict]], vae_state: dict | None,
@@ -231,7 +287,7 @@ def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-
                 if stored_pipe.get(k) is not None}
         return dataclasses.replace(preset(), **keep)
 
-    refiner = pick(RefinerConfig, "refiner") if (folder / "refiner.safetensors").is_file() else None
+    refiner = pick(RefinerConfig, "refiner") if weights_file(folder, "refiner") is not None else None
     return ModelSpec(name or folder.name, pick(DiTConfig, "dit"), refiner,
                      pick(VAEConfig, "vae"), pick(AudioConfig, "audio"), pick(TextConfig, "text"),
                      pipeline,
@@ -255,5 +311,5 @@ def load_exported(folder: str | Path) -> dict[str, torch.nn.Module]:
     if spec.refiner is not None:
         nets["refiner"] = SRRefiner(spec.refiner())
     for name, net in nets.items():
-        net.load_state_dict(load_file(str(folder / f"{name}.safetensors")), strict=True)
+        net.load_state_dict(load_file(str(weights_file(folder, name))), strict=True)
     return nets

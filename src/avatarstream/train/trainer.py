@@ -117,9 +117,12 @@ def net_weights(source: str | Path, net: str) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from avatarstream.train.export import weights_file
+
     p = Path(source)
-    if p.is_dir() and (p / f"{net}.safetensors").is_file():
-        return load_file(str(p / f"{net}.safetensors"))
+    exported = weights_file(p, net) if p.is_dir() else None
+    if exported is not None:
+        return load_file(str(exported))
     if p.is_file() and p.suffix == ".safetensors":
         with safe_open(str(p), "pt") as f:
             keys = [k for k in f.keys() if k.startswith(f"{net}.")]
