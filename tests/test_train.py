@@ -332,6 +332,41 @@ def test_export_shares_identical_files_with_another_folder(trained, dataset, tmp
         export(runs, tmp_path / "w" / "c", share_with=tmp_path)
 
 
+
+def test_prepare_keeps_an_exported_models_vae_as_it_is(trained, dataset, tmp_path):
+    """`train prepare --vae WEIGHTS` (statistics already folded in): the file holds that VAE
+    exactly and its latents as that VAE encodes them, so preparing again from the file changes
+    nothing, and an export of a run on it shares the model's VAE file byte for byte. A VAE run
+    folder's VAE is still folded (unit-scale latents)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from avatarstream.cli import main
+    from avatarstream.train.export import export
+
+    w = tmp_path / "w"
+    export([trained["cfg-distill-tiny"], trained["sr-tiny"]], w)
+    base = ["train", "prepare", "--shards", str(dataset["shards"]), "--model", "tiny", "--no-progress"]
+    assert main([*base, "--vae", str(w), "--out", str(tmp_path / "a.safetensors")]) == 0
+    assert main([*base, "--vae", str(tmp_path / "a.safetensors"), "--out", str(tmp_path / "b.safetensors")]) == 0
+    assert main([*base, "--vae", str(trained["vae-tiny"]), "--out", str(tmp_path / "r.safetensors")]) == 0
+    a, b = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
+    mine = load_file(str(w / "vae.safetensors"))
+    for k, v in mine.items():
+        assert torch.equal(a[f"vae.{k}"], v.float()) and torch.equal(b[f"vae.{k}"], a[f"vae.{k}"]), k
+    assert torch.equal(a["hr"], b["hr"]) and torch.equal(a["lr"], b["lr"])
+    meta = lambda f: json.loads(safe_open(str(tmp_path / f), "pt").metadata()["avatarstream"])["stats"]  # noqa: E731
+    assert meta("a.safetensors")["folded"] is False and meta("r.safetensors")["folded"] is True
+    r = load_file(str(tmp_path / "r.safetensors"))["hr"].float()
+    assert abs(float(r.std()) - 1.0) < 0.05
+    # a run on the file exports with the model's own VAE: shared, not copied
+    rd = tmp_path / "run"
+    run("a2v-tiny", dataset, rd, train__steps=2, data__prepared=str(tmp_path / "a.safetensors"),
+        **FAST["a2v-tiny"])
+    s = export([rd], tmp_path / "w2", share_with=w)
+    assert "vae" in s["shared"]
+
+
 def test_direct_dit_trains_exports_and_generates_without_a_refiner(trained, dataset, tmp_path, monkeypatch):
     """a2v `direct`: the DiT trains on the HR latents with 2x patches, starting from the LR a2v
     run lifted (`lift_patch_state`); its loss goes down; export writes no refiner and sets

@@ -144,4 +144,19 @@ def _prepare(ns: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"--vae {ns.vae}: not a {ns.model} VAE ({str(e).splitlines()[0]})") from None
     g = GEOMETRY[ns.model]
     return prepare(ns.shards, vae, ns.out, lr_size=g["lr_size"], hr_size=g["hr_size"],
-                   max_clips=ns.max_clips or None, device=str(device), progress=not ns.no_progress)
+                   max_clips=ns.max_clips or None, device=str(device), progress=not ns.no_progress,
+                   fold=not _already_folded(ns.vae))
+
+
+def _already_folded(source: str) -> bool:
+    """Whether a --vae source's VAE has latent statistics folded in: an exported weights folder
+    or a prepared file (a VAE run folder or a bare VAE file: not yet)."""
+    p = Path(source)
+    if p.is_dir():
+        return (p / "config.json").is_file()
+    if p.is_file() and p.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(p), "pt") as f:
+            return "avatarstream" in (f.metadata() or {}) and any(k.startswith("vae.") for k in f.keys())
+    return False

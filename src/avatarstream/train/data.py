@@ -17,6 +17,8 @@ Two sources:
   normalised per channel (unit scale, what flow matching wants), and the file also holds the VAE
   they were made with, with those statistics folded in (`vae.*`, `CausalVAE.fold_latent_stats`):
   the VAE `train export` bundles, so inference encodes and decodes in the same normalised space.
+  A VAE that already has them folded in (an exported model's, a prepared file's) is kept as it is
+  (`prepare(fold=False)`), so a model's own latent space is reproduced exactly.
 
 Motion descriptor (`motion_descriptor`, the target of the DiT's motion stream): per latent frame
 j, the mean over the video frames it encodes (frame 0 for j = 0, frames 4j−3..4j after) of the
@@ -196,8 +198,15 @@ def encode_video(vae: torch.nn.Module, video: torch.Tensor, *, chunk: int = 8) -
 
 
 def prepare(shards: str | Path, vae: torch.nn.Module, out: str | Path, *, lr_size: int, hr_size: int,
-            max_clips: int | None = None, device: str = "cpu", progress: bool = False) -> dict[str, Any]:
+            max_clips: int | None = None, device: str = "cpu", progress: bool = False,
+            fold: bool = True) -> dict[str, Any]:
     """Pre-encode a synthetic dataset into one training file (see the module docstring).
+
+    fold=False: `vae` already has latent statistics folded in (an exported model's VAE, or a
+    prepared file's): it is stored as it is and the latents as it encodes them, so a DiT trained
+    on the file works in exactly the latent space of the model the VAE came from (folding again
+    would shift it by the new statistics' small departure from 0 and 1). The statistics are still
+    measured and recorded.
 
     Returns a summary (clips, bytes, bytes per clip, seconds, latent statistics)."""
     from safetensors.torch import save_file
@@ -250,7 +259,12 @@ def prepare(shards: str | Path, vae: torch.nn.Module, out: str | Path, *, lr_siz
     # folded into the VAE so that its latents are unit-scale from here on (`fold_latent_stats`).
     both = torch.cat([lr_raw.transpose(0, 1).flatten(1), hr_raw.transpose(0, 1).flatten(1)], 1)
     mean, std = both.mean(1), both.std(1).clamp_min(1e-3)
-    folded = copy.deepcopy(vae).cpu().float().fold_latent_stats(mean, std)
+    folded = copy.deepcopy(vae).cpu().float()
+    if fold:
+        folded.fold_latent_stats(mean, std)
+    else:
+        measured = mean, std
+        mean, std = torch.zeros_like(mean), torch.ones_like(std)
 
     def norm(t: torch.Tensor) -> torch.Tensor:
         return ((t - mean[None, :, None, None]) / std[None, :, None, None]).half()
@@ -262,11 +276,14 @@ def prepare(shards: str | Path, vae: torch.nn.Module, out: str | Path, *, lr_siz
     stats = {"lr_mean": round(float(lrf.mean()), 4), "lr_std": round(float(lrf.std()), 4),
              "hr_std": round(float(tensors["hr"].float().std()), 4),
              "raw_std": round(float(both.std()), 4),
-             "channel_mean": [round(float(v), 4) for v in mean],
-             "channel_std": [round(float(v), 4) for v in std]}
+             "channel_mean": [round(float(v), 4) for v in (mean if fold else measured[0])],
+             "channel_std": [round(float(v), 4) for v in (std if fold else measured[1])],
+             "folded": fold}
     meta = {"version": PREPARED_VERSION, "lr_size": lr_size, "hr_size": hr_size, "fps": 25,
             "sample_rate": 16000, "frame_keys": list(FRAME_KEYS), "clips": clips, "stats": stats,
-            "source": str(shards), "vae": "vae.* = the encoding VAE with the latent statistics folded in"}
+            "source": str(shards),
+            "vae": ("vae.* = the encoding VAE with the latent statistics folded in" if fold else
+                    "vae.* = the encoding VAE as given (its latent statistics were already folded in)")}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
