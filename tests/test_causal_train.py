@@ -344,6 +344,38 @@ def test_dmd_gradient_mouth_emphasis_reweights_without_moving_the_fixed_point(da
     assert float(w[0, 0, 0, my, mx]) > float(w[0, 0, 0].min()) * 2
 
 
+
+def test_dmd_gradient_block_start_emphasis_and_fake_init(dataset, tmp_path):
+    """dmd.block_start multiplies the DMD gradient at the first frame of every block after the
+    first by 1 + block_start (the same draws otherwise give the uniform gradient; fake == real
+    still gives zero); dmd.fake_init starts the fake score from given weights instead of the
+    teacher's."""
+    from safetensors.torch import save_file
+
+    grads = {}
+    for weight in (0.0, 2.0):
+        task = _dmd_task(dataset, dmd__block_start=weight)
+        b = task.conditions(step_generator(3, 0))
+        x0 = torch.randn(b["x0"].shape, generator=torch.Generator().manual_seed(1))
+        m0 = torch.randn(b["m0"].shape, generator=torch.Generator().manual_seed(2))
+        gx0, _, _ = task.dmd_gradient(b, x0, m0, torch.Generator().manual_seed(4))
+        assert float(gx0.abs().max()) == 0.0
+        with torch.no_grad():
+            for p in task.nets["fake"].parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        grads[weight], _, _ = task.dmd_gradient(b, x0, m0, torch.Generator().manual_seed(4))
+    blk, T = task.cfg["block"], task.T
+    w = task.block_start_weight()
+    assert T > blk and [i for i in range(T) if w[i] != 1.0] == list(range(blk, T, blk)) and float(w[blk]) == 3.0
+    assert torch.allclose(grads[2.0], grads[0.0] * w[None, None, :, None, None], rtol=1e-5, atol=1e-12)
+    fake = {k: v.clone() for k, v in task.nets["fake"].state_dict().items()}
+    save_file(fake, str(tmp_path / "fake.safetensors"))
+    started = _dmd_task(dataset, dmd__fake_init=str(tmp_path / "fake.safetensors"))
+    assert all(torch.equal(v, fake[k]) for k, v in started.nets["fake"].state_dict().items())
+    assert not all(torch.equal(v, started.nets["teacher"].state_dict()[k])
+                   for k, v in started.nets["fake"].state_dict().items())
+
+
 def test_scores_lead_each_piece_with_the_samples_clean_frame(dataset):
     """score_given: each piece of score_window − 1 frames is scored after the sample's clean frame
     before it, at σ = 0 (the bidirectional model's training regime: a clean given frame), exactly

@@ -22,8 +22,9 @@ the generator's own samples). Per iteration (Algorithm 2):
 2. `dmd_gradient`: x̂0 of all blocks -> x_t at a random σ; real and fake scores give x0_real,
    x0_fake; the DMD gradient w.r.t. the sample is (x0_fake − x0_real) / mean|x̂0 − x0_real|,
    times the mouth/eye weight map (`mouth`, `eyes`, `radius`, as the flow-matching stages weight
-   their loss; 0, 0: uniform). The weight moves no fixed point (fake == real still gives zero);
-   it spends more of each update where lip sync and identity live.
+   their loss; 0, 0: uniform), and by 1 + `block_start` at the first frame of every block after
+   the first (the seams). The weights move no fixed point (fake == real still gives zero); they
+   spend more of each update where lip sync and identity live, and where blocks meet.
 3. **Block-wise gradient accumulation** (`blockwise_backward`): for each block from the last to
    the first, re-run the generator at step s on its stored input with the stored (detached) history
    and backpropagate that block's share of the DMD gradient; only one block's graph is alive at a
@@ -196,7 +197,13 @@ class SelfForcingDMDTask(_CausalTask):
 
             load_init(self.nets["teacher"], net_weights(self.cfg["teacher"], "dit"),
                       f"dmd.teacher = {self.cfg['teacher']}")
-        self.nets["fake"].load_state_dict(self.nets["teacher"].state_dict())
+        if self.cfg["fake_init"]:
+            from avatarstream.train.trainer import load_init, net_weights
+
+            load_init(self.nets["fake"], net_weights(self.cfg["fake_init"], "fake"),
+                      f"dmd.fake_init = {self.cfg['fake_init']}")
+        else:
+            self.nets["fake"].load_state_dict(self.nets["teacher"].state_dict())
 
     # -- generator ---------------------------------------------------------------------------------
     def _sink(self, gen: VideoRefDiT, b: dict[str, Any], first: torch.Tensor | None) -> SinkCache:
@@ -336,6 +343,13 @@ class SelfForcingDMDTask(_CausalTask):
             w[0] = 0.0
         return w
 
+    def block_start_weight(self) -> torch.Tensor:
+        """`[T]`: 1 + `block_start` at the first latent frame of every block after the first, 1
+        elsewhere."""
+        w = torch.ones(self.T, device=self.device)
+        w[self.cfg["block"]::self.cfg["block"]] += float(self.cfg["block_start"])
+        return w
+
     def _score(self, net: VideoRefDiT, b: dict[str, Any], xt: torch.Tensor, mt: torch.Tensor,
                sigma: torch.Tensor, clean: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,6 +377,8 @@ class SelfForcingDMDTask(_CausalTask):
         gx = (xf - xr) / wx / x0[0].numel() / B
         if c["mouth"] or c["eyes"]:  # emphasis only: the gradient still vanishes where fake == real
             gx = gx * self.latent_weight(b["clips"], b["starts"], x0.shape[-1])
+        if c["block_start"]:  # emphasis on the block seams (the first frame of blocks 1..)
+            gx = gx * self.block_start_weight()[None, None, :, None, None]
         gm = c["motion"] * (mf - mr) / wm / m0[0].numel() / B
         gap = float((xf - xr).square().mean())
         return gx, gm, {"dmd": float(0.5 * ((xf - xr) / wx).square().mean()), "score_gap": gap,

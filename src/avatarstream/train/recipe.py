@@ -86,7 +86,13 @@ DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigm
                    "score_window": 0,
                    # each scored piece led by the sample's clean frame before it (see
                    # SelfForcingDMDTask._score_velocity)
-                   "score_given": False}
+                   "score_given": False,
+                   # the DMD gradient at the first latent frame of every block after the first
+                   # weighted 1 + block_start (0: uniform): emphasis on the block seams
+                   "block_start": 0.0,
+                   # the fake score's starting weights (a dmd run or weights folder: continue a
+                   # distillation with its fake score; "": the teacher's)
+                   "fake_init": ""}
 
 
 def recipe_dirs() -> list[Path]:
