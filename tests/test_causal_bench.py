@@ -20,6 +20,12 @@ def test_drift_windows_follow_table_7():
     assert drift_windows(10) == [(0.0, 10.0)]
     assert drift_windows(25) == [(0.0, 10.0), (15.0, 25.0)]
     assert drift_windows(1000) == [(0.0, 10.0), (100.0, 110.0), (990.0, 1000.0)]
+    assert drift_windows(100, every=10) == [(10.0 * k, 10.0 * k + 10) for k in range(10)]
+    assert drift_windows(35, every=15) == [(0.0, 10.0), (15.0, 25.0), (25.0, 35.0)]
+    with pytest.raises(ConfigError, match="at least 10"):
+        drift_windows(100, every=5)
+    with pytest.raises(ConfigError, match="more than 20 windows"):
+        drift_windows(1000, every=10)
     assert drift_windows(10010) == [(0.0, 10.0), (100.0, 110.0), (1000.0, 1010.0), (10000.0, 10010.0)]
     with pytest.raises(ConfigError):
         drift_windows(9)

@@ -14,7 +14,9 @@ and only the frames inside the scoring windows are kept (at most five windows, w
 the reported fps is the pipeline's.
 
 Windows: 10 s each at 0, 100, 1000, 10000 s where they fit (`eval.metrics.DRIFT_STARTS`), plus
-the final 10 s. Per window, from `eval.metrics.evaluate` on the window's frames and audio:
+the final 10 s; `--every S` scores one every S seconds instead (at most 20), and `window_spread`
+gives the mean and standard deviation over the windows, the scale against which a change between
+two windows of the same speech is read. Per window, from `eval.metrics.evaluate` on the window's frames and audio:
 `face_sim` (identity cosine to the reference), `sync_c`, and
 - `color_shift`: ΔE*76 (CIELAB, D65) between the mean colour of the face region in this window
   and in the first (0–10 s) window. The face region is the face crop the evaluation experts
@@ -78,19 +80,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="length of the speech clip that is looped (default: one window, so "
                              "windows starting on multiples of it hear the same speech)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each rollout")
+    parser.add_argument("--every", type=float, default=None, metavar="S",
+                        help="score a 10 s window every S seconds (0, S, 2S, ... and the last) instead of "
+                             "at 0, 100, 1000, 10000 s: how much a metric moves between windows of the "
+                             f"same speech (at most {MAX_WINDOWS} windows)")
 
 
 # ---------------------------------------------------------------------------------------------
 # windows, colour
 
 
-def drift_windows(seconds: float) -> list[tuple[float, float]]:
-    """[(start_s, end_s)]: 10 s windows at DRIFT_STARTS that fit, and the last 10 s."""
+MAX_WINDOWS = 20  # --every: the frames of every window are held until the rollout ends (49 MB each)
+
+
+def drift_windows(seconds: float, every: float | None = None) -> list[tuple[float, float]]:
+    """[(start_s, end_s)]: 10 s windows at DRIFT_STARTS that fit (`every`: at 0, every, 2·every,
+    ... instead), and the last 10 s."""
     from avatarstream.eval.metrics import DRIFT_LEN, DRIFT_STARTS
 
     if seconds < DRIFT_LEN:
         raise ConfigError(f"--seconds must be at least {DRIFT_LEN:g} (one window)")
-    out = [(s, s + DRIFT_LEN) for s in DRIFT_STARTS if s + DRIFT_LEN <= seconds]
+    if every is not None:
+        if every < DRIFT_LEN:
+            raise ConfigError(f"--every must be at least {DRIFT_LEN:g} s (windows do not overlap)")
+        starts = [k * every for k in range(int((seconds - DRIFT_LEN) // every) + 1)]
+        if len(starts) + 1 > MAX_WINDOWS:
+            raise ConfigError(f"--every {every:g} over {seconds:g} s makes more than {MAX_WINDOWS} windows; "
+                              "raise --every")
+    else:
+        starts = [s for s in DRIFT_STARTS if s + DRIFT_LEN <= seconds]
+    out = [(s, s + DRIFT_LEN) for s in starts]
     last = seconds - DRIFT_LEN
     if last - out[-1][0] >= 1.0:
         out.append((last, seconds))
@@ -257,14 +276,14 @@ def looped_slice(speech: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def rollout(model: str, strategy: str, seconds: float, seed: int, overrides: dict[str, Any],
-            *, speech_seconds: float = 10.0, threads: int = 1) -> dict[str, Any]:
+            *, speech_seconds: float = 10.0, threads: int = 1, every: float | None = None) -> dict[str, Any]:
     """One unbroken generation of `seconds`, scored per window (runs in the calling process)."""
     from avatarstream.engine.pipeline import Pipeline
     from avatarstream.eval.experts import load_experts
     from avatarstream.registry import load_model
 
     torch.set_num_threads(max(1, threads))
-    windows = drift_windows(seconds)
+    windows = drift_windows(seconds, every)
     models = load_model(model)
     cfg = models.config
     cfg.strategy = strategy
@@ -302,16 +321,25 @@ def _change(rows: list[dict[str, Any]], key: str) -> float | None:
     return round((b - a) / abs(a), 4)
 
 
+def _spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Mean and standard deviation over the windows of FaceSim and Sync-C (3 windows or more):
+    the scale a window-to-window change is read against."""
+    if len(rows) < 3:
+        return None
+    return {k: {"mean": round(float(np.mean([r[k] for r in rows])), 4),
+                "std": round(float(np.std([r[k] for r in rows], ddof=1)), 4)} for k in ("face_sim", "sync_c")}
+
+
 def run(args: argparse.Namespace) -> dict:
     from avatarstream.registry import model_spec_for, resolve_model
 
     args.model = resolve_model(getattr(args, "model", None), causal=True)
     if args.no_history_corrupt_model is not None:
         resolve_model(args.no_history_corrupt_model)
-    drift_windows(args.seconds)  # validates --seconds
+    drift_windows(args.seconds, args.every)  # validates --seconds, --every
     if args.speech_seconds < 2:
         raise ConfigError("--speech-seconds must be at least 2")
-    kw = {"speech_seconds": args.speech_seconds, "threads": args.threads}
+    kw = {"speech_seconds": args.speech_seconds, "threads": args.threads, "every": args.every}
     full = rollout_in_process(args.model, "causal", args.seconds, args.seed, {}, **kw)
     out: dict[str, Any] = {
         "windows": [{k: r[k] for k in ("start_s", "end_s", "face_sim", "sync_c", "color_shift")}
@@ -321,6 +349,7 @@ def run(args: argparse.Namespace) -> dict:
         "color_measure": COLOR_MEASURE,
         "face_sim_change": _change(full["windows"], "face_sim"),
         "sync_c_change": _change(full["windows"], "sync_c"),
+        "window_spread": _spread(full["windows"]),
         "rss_mb_by_window": [r["rss_mb"] for r in full["windows"]],
         # resident memory less the window frames this benchmark holds: the engine's own
         "engine_rss_mb_by_window": [round(r["rss_mb"] - r["held_frames_mb"], 1) for r in full["windows"]],
