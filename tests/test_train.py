@@ -82,14 +82,16 @@ def trained(dataset, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_every_recipe_file_loads_and_its_init_runs_come_from_recipes():
-    """Each recipes/*.toml resolves (unknown keys are errors), and every `[init]` path under runs/
-    names a run another recipe makes, so a chain can be replayed from the recipes alone."""
+    """Each recipes/*.toml resolves (unknown keys are errors), and every `[init]` path (and a DMD
+    teacher or fake score) under runs/ names a run another recipe makes, so a chain can be
+    replayed from the recipes alone."""
     names = {p.stem for p in RECIPES.glob("*.toml")}
     assert len(names) >= 10
     for p in RECIPES.glob("*.toml"):
         r = load_recipe(p)
         assert r["name"] == p.stem
-        for src in r["init"].values():
+        sources = list(r["init"].values()) + [r.get("dmd", {}).get(k, "") for k in ("teacher", "fake_init")]
+        for src in sources:
             if src.startswith("runs/"):
                 assert src.split("/")[1] in names, (p.name, src)
 
