@@ -332,6 +332,8 @@ def test_export_shares_identical_files_with_another_folder(trained, dataset, tmp
         registry.load_model("tiny-b")
     with pytest.raises(InputError, match="not a weights folder"):
         export(runs, tmp_path / "w" / "c", share_with=tmp_path)
+    with pytest.raises(InputError, match="is the --out folder"):
+        export(runs, full, share_with=full)
 
 
 

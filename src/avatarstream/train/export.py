@@ -129,6 +129,8 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     out = Path(out)
     if share_with is not None and not (Path(share_with) / "config.json").is_file():
         raise InputError(f"--share-with {share_with}: not a weights folder (no config.json)")
+    if share_with is not None and Path(share_with).resolve() == out.resolve():
+        raise InputError(f"--share-with {share_with} is the --out folder: name the folder to refer to")
     out.mkdir(parents=True, exist_ok=True)
     total = 0
     shared: dict[str, dict[str, str]] = {}
