@@ -227,36 +227,41 @@ def _speech_clip(seed: int, speech_seconds: float) -> Any:
     return Clip(specs[0])
 
 
-def drift_case(seed: int, size: int, speech_seconds: float, ref_frames: int) -> tuple[np.ndarray, np.ndarray]:
-    """(reference [F_r, S, S, 3] uint8 at `size`, speech [N] float32 16 kHz) of a held-out case."""
+def drift_reference(seed: int, size: int, ref_frames: int) -> np.ndarray:
+    """The held-out case's reference clip: [F_r, S, S, 3] uint8 at `size`."""
     from avatarstream.data import Clip, DatasetConfig, clip_specs
     from avatarstream.media.reference import square_resize, usable_frame_count
 
     ref_s = max(1.0, ref_frames / 25.0)
-    speech = _speech_clip(seed, speech_seconds).audio.astype(np.float32)
     ref_spec = clip_specs(DatasetConfig(identities=1, clips_per_identity=2, seconds=ref_s, seed=seed,
                                         split="heldout-identity"))[1]
     ref = Clip(ref_spec).frames()
     k = usable_frame_count(min(len(ref), ref_frames))
     frames = torch.stack([square_resize(f, size) for f in ref[:k]])  # [k, 3, S, S]
-    return frames.permute(0, 2, 3, 1).numpy(), speech
+    return frames.permute(0, 2, 3, 1).numpy()
+
+
+def drift_case(seed: int, size: int, speech_seconds: float, ref_frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """(reference [F_r, S, S, 3] uint8 at `size`, speech [N] float32 16 kHz) of a held-out case."""
+    speech = _speech_clip(seed, speech_seconds).audio.astype(np.float32)
+    return drift_reference(seed, size, ref_frames), speech
 
 
 def ground_truth(seed: int, size: int, speech_seconds: float, ref_frames: int) -> dict[str, float]:
     """FaceSim and Sync-C of the speech clip's own render (at most one window of it), scored
     against the same reference as the rollout."""
-    from avatarstream.eval.experts import load_experts
     from avatarstream.data.clip import FPS
+    from avatarstream.eval.experts import load_experts
     from avatarstream.eval.metrics import DRIFT_LEN, evaluate
     from avatarstream.media.reference import square_resize
 
     clip = _speech_clip(seed, speech_seconds)
-    reference, speech = drift_case(seed, size, speech_seconds, ref_frames)
+    speech = clip.audio.astype(np.float32)
     video = clip.frames()
     n = min(len(video), int(round(DRIFT_LEN * FPS)))
     frames = torch.stack([square_resize(f, size) for f in video[:n]]).permute(0, 2, 3, 1).numpy()
     spf = len(speech) // len(video)
-    m = evaluate(frames, speech[: n * spf], reference, load_experts()).metrics
+    m = evaluate(frames, speech[: n * spf], drift_reference(seed, size, ref_frames), load_experts()).metrics
     return {"face_sim": m["face_sim"], "sync_c": m["sync_c"], "seconds": n / FPS}
 
 
