@@ -134,7 +134,7 @@ def test_dmd_pulls_samples_to_the_real_distribution(dataset, tmp_path):
     assert after < 0.9 * before, (before, after)  # measured: 0.997 -> 0.847
 
 
-@pytest.mark.parametrize("name", ["df-tiny", "dmd-tiny"])
+@pytest.mark.parametrize("name", ["df-tiny", "dmd-tiny", "dmd-prefix-tiny"])
 def test_resume_is_bit_for_bit(dataset, tmp_path, name):
     over = dict(train__steps=4, train__checkpoint_every=100)
     straight = run(name, dataset, tmp_path / "straight", **over)

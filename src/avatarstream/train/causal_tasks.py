@@ -91,7 +91,9 @@ class _CausalTask(_LatentTask):
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         super().__init__(recipe, device)
         c = self.cfg
-        if c["block"] < 1 or self.T % c["block"]:
+        if c.get("strategy", "causal") not in ("causal", "prefix"):
+            raise ConfigError(f"{self.stage}.strategy must be \"causal\" or \"prefix\", got {c['strategy']!r}")
+        if c.get("strategy", "causal") == "causal" and (c["block"] < 1 or self.T % c["block"]):
             raise ConfigError(f"{self.stage}: chunk ({self.T}) must be a whole number of blocks of {c['block']}")
         if c["history"] < 0:
             raise ConfigError(f"{self.stage}: history must be >= 0")
@@ -404,11 +406,17 @@ class SelfForcingDMDTask(_CausalTask):
             part.backward()
             roll["hist"][i] = None  # free the block's history (Alg. 2 line 37)
 
-    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    def draws(self, g: torch.Generator) -> tuple[dict[str, Any], int, bool]:
+        """An iteration's conditions, exit step (shared by all its blocks or chunks) and whether
+        the generator updates on it (two time-scales: 1 in `fake_updates`)."""
         c = self.cfg
         b = self.conditions(g)
-        s = _pick(g, c["steps"])  # exit step, shared by every block of this iteration
-        gen_update = c["fake_updates"] == 1 or _pick(g, c["fake_updates"]) == 0  # two time-scales
+        s = _pick(g, c["steps"])
+        return b, s, c["fake_updates"] == 1 or _pick(g, c["fake_updates"]) == 0
+
+    def loss(self, g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        c = self.cfg
+        b, s, gen_update = self.draws(g)
         logs: dict[str, float] = {}
         if not gen_update:  # the fake score alone learns from the generator's samples
             with torch.no_grad():
@@ -421,7 +429,14 @@ class SelfForcingDMDTask(_CausalTask):
             roll = self.self_forcing_rollout(b, s, g, grad=True)
             gx, gm, logs = self.dmd_gradient(b, roll["x0_all"].detach(), roll["m0_all"].detach(), g)
             ((roll["x0_all"] * gx).sum() + (roll["m0_all"] * gm).sum()).backward()
-        # fake score: flow matching on the generator's (detached) samples
+        return self.fake_score_loss(b, roll, s, gen_update, logs, g)
+
+
+    def fake_score_loss(self, b: dict[str, Any], roll: dict[str, Any], s: int, gen_update: bool,
+                        logs: dict[str, float], g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        """The fake score's flow-matching loss on the generator's (detached) samples `roll`, over
+        the frames the scores judge; `logs` completed with it."""
+        c = self.cfg
         x0, m0 = roll["x0_all"].detach(), roll["m0_all"].detach()
         B = x0.shape[0]
         u = torch.randn(B, generator=g) * c["logit_std"] + c["logit_mean"]

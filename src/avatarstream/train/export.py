@@ -9,7 +9,8 @@ and is listed under `untrained` in config.json. All runs must share one model si
 A DiT trained `direct` (a2v `direct = true`: at the output resolution) makes a model without a
 refiner: no `refiner.safetensors`, `pipeline.lr_size` = `hr_size`. A causal student (a `df` or
 `dmd` run) makes a model whose default strategy is `causal`, with the block, window and guidance
-scales it was trained with (a `dmd` student: its step count too).
+scales it was trained with (a `dmd` student: its step count too); a `dmd` run with `strategy =
+"prefix"` (a bidirectional student) one whose strategy is `prefix`, in the chunks it was trained in.
 
 Folder: `{dit,refiner,vae,audio,text}.safetensors` + `config.json` = {"model": preset, network
 configs, "pipeline": the preset's PipelineConfig fields, "trained": net -> run, "untrained"}.
@@ -168,10 +169,14 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     pipe = dataclasses.replace(pipe, adaptive_sink=False)
     if stage in ("df", "dmd"):
         # a causal student: it streams with the causal strategy, in the block and window it was
-        # trained with, at the guidance scales it was trained with (a DMD student: its steps)
+        # trained with, at the guidance scales it was trained with (a DMD student: its steps); a
+        # prefix DMD student: with the prefix strategy, in the chunks it was rolled out in
         c = distill[stage]
-        pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"],
-                                   adaptive_sink=bool(c.get("adaptive_sink", False)))
+        if c.get("strategy", "causal") == "prefix":
+            pipe = dataclasses.replace(pipe, strategy="prefix", chunk=c["prefix_chunk"], overlap=c["overlap"])
+        else:
+            pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"],
+                                       adaptive_sink=bool(c.get("adaptive_sink", False)))
         if c.get("guidance"):
             pipe = dataclasses.replace(pipe, audio_scale=float(c["guidance"][0]),
                                        ref_scale=float(c["guidance"][1]), guidance_input=True)

@@ -92,7 +92,12 @@ DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigm
                    "block_start": 0.0,
                    # the fake score's starting weights (a dmd run or weights folder: continue a
                    # distillation with its fake score; "": the teacher's)
-                   "fake_init": ""}
+                   "fake_init": "",
+                   # "causal": the block-causal student above; "prefix": a bidirectional student
+                   # rolled out in prefix chunks of prefix_chunk latent frames given the previous
+                   # chunk's last `overlap` (train/prefix_dmd.py; `chunk` is then the window:
+                   # prefix_chunk + k * (prefix_chunk - overlap))
+                   "strategy": "causal", "prefix_chunk": 8, "overlap": 2}
 
 
 def recipe_dirs() -> list[Path]:

@@ -774,6 +774,10 @@ def make_task(recipe: dict[str, Any], device: torch.device) -> Task:
     if recipe["stage"] in ("df", "dmd"):  # the causal student's stages (train/causal_tasks.py)
         from avatarstream.train.causal_tasks import CAUSAL_TASKS
 
+        if recipe["stage"] == "dmd" and recipe["dmd"]["strategy"] == "prefix":  # a bidirectional student
+            from avatarstream.train.prefix_dmd import PrefixDMDTask
+
+            return PrefixDMDTask(recipe, device)
         return CAUSAL_TASKS[recipe["stage"]](recipe, device)
     return TASKS[recipe["stage"]](recipe, device)
 
