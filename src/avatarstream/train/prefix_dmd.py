@@ -81,7 +81,7 @@ class PrefixDMDTask(SelfForcingDMDTask):
         graphs. `noise` (tests): each chunk's initial latents and motion (given frames overwritten)."""
         c, o = self.cfg, self.cfg["overlap"]
         gen: VideoRefDiT = self.nets["dit"]
-        B, C, T, h, w = b["x0"].shape
+        B, C, _, h, w = b["x0"].shape
         P = c["prefix_chunk"]
         sig = [float(v) for v in self.sigmas]
         gen_mask = torch.ones(P, device=self.device)
