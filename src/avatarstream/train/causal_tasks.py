@@ -88,12 +88,12 @@ def sink_positions(blocks: int, block: int, history: int, ref_t: float, rolling:
 class _CausalTask(_LatentTask):
     """Shared by df and dmd: windows of whole blocks and their conditions."""
 
+    blockwise = True  # the window is whole blocks (a prefix DMD student's is prefix chunks)
+
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         super().__init__(recipe, device)
         c = self.cfg
-        if c.get("strategy", "causal") not in ("causal", "prefix"):
-            raise ConfigError(f"{self.stage}.strategy must be \"causal\" or \"prefix\", got {c['strategy']!r}")
-        if c.get("strategy", "causal") == "causal" and (c["block"] < 1 or self.T % c["block"]):
+        if self.blockwise and (c["block"] < 1 or self.T % c["block"]):
             raise ConfigError(f"{self.stage}: chunk ({self.T}) must be a whole number of blocks of {c['block']}")
         if c["history"] < 0:
             raise ConfigError(f"{self.stage}: history must be >= 0")
@@ -430,7 +430,6 @@ class SelfForcingDMDTask(_CausalTask):
             gx, gm, logs = self.dmd_gradient(b, roll["x0_all"].detach(), roll["m0_all"].detach(), g)
             ((roll["x0_all"] * gx).sum() + (roll["m0_all"] * gm).sum()).backward()
         return self.fake_score_loss(b, roll, s, gen_update, logs, g)
-
 
     def fake_score_loss(self, b: dict[str, Any], roll: dict[str, Any], s: int, gen_update: bool,
                         logs: dict[str, float], g: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:

@@ -43,6 +43,8 @@ from avatarstream.train.causal_tasks import SelfForcingDMDTask
 class PrefixDMDTask(SelfForcingDMDTask):
     """DMD of a bidirectional student rolled out in prefix chunks (see the module docstring)."""
 
+    blockwise = False
+
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         super().__init__(recipe, device)
         c = self.cfg

@@ -774,10 +774,14 @@ def make_task(recipe: dict[str, Any], device: torch.device) -> Task:
     if recipe["stage"] in ("df", "dmd"):  # the causal student's stages (train/causal_tasks.py)
         from avatarstream.train.causal_tasks import CAUSAL_TASKS
 
-        if recipe["stage"] == "dmd" and recipe["dmd"]["strategy"] == "prefix":  # a bidirectional student
-            from avatarstream.train.prefix_dmd import PrefixDMDTask
+        if recipe["stage"] == "dmd":
+            strategy = recipe["dmd"]["strategy"]
+            if strategy not in ("causal", "prefix"):
+                raise ConfigError(f"dmd.strategy must be \"causal\" or \"prefix\", got {strategy!r}")
+            if strategy == "prefix":  # a bidirectional student (train/prefix_dmd.py)
+                from avatarstream.train.prefix_dmd import PrefixDMDTask
 
-            return PrefixDMDTask(recipe, device)
+                return PrefixDMDTask(recipe, device)
         return CAUSAL_TASKS[recipe["stage"]](recipe, device)
     return TASKS[recipe["stage"]](recipe, device)
 
