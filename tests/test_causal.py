@@ -15,7 +15,7 @@ from avatarstream.cache.kv import BlockKV, RollingKVCache
 from avatarstream.engine.causal import CausalDenoiser, CausalSettings
 from avatarstream.engine.module import Module
 from avatarstream.engine.schedule import CausalSchedule, GivenFrame
-from avatarstream.models.causal import block_causal_forward, block_causal_mask
+from avatarstream.models.causal import block_causal_forward, block_causal_mask, causal_block_forward
 from avatarstream.models.dit import DiTCondition, DiTConfig, VideoRefDiT
 from avatarstream.models.rope import apply_rope, rope_tables, shift_time
 from avatarstream.samplers import flow_sigmas
@@ -133,6 +133,41 @@ def test_one_block_without_history_is_the_plain_dit(dit, x0_skip):
         assert float((out.velocity - want.velocity).abs().max()) <= TOL
         assert float((out.motion_velocity - want.motion_velocity).abs().max()) <= TOL
     assert float((no_anchor.velocity - want.velocity).abs().max()) > 100 * TOL  # the anchor matters
+
+
+def test_next_history_level_caches_each_step_output(dit):
+    """history_level "next": what a block leaves in step j's cache is the K/V of its state after
+    step j (the next step's input, and after the last step the finished block at σ = 0), each
+    computed against step j's history as it was; "same" leaves its step-j input's. Exact: the same
+    forward on the same tensors (tolerance 1e-6)."""
+    sig = flow_sigmas(STEPS)
+    assert float(sig[-1]) == 0.0
+    for level in ("same", "next"):
+        s = CausalSettings(kv_blocks=2, adaptive_sink=False, history_level=level)
+        den, outs, recs, audios, sinks, text = rollout(dit, s, 1, record=True)
+        rec, (x_fin, m_fin) = recs[0], outs[0]
+        sink = den.sink.at(den.rolling_rope_position(0))
+        for j in range(STEPS):
+            if level == "same":
+                x, m, sigma = rec[j][1], rec[j][2], sig[j]
+            elif j + 1 < STEPS:
+                x, m, sigma = rec[j + 1][1], rec[j + 1][2], sig[j + 1]
+            else:
+                x, m, sigma = x_fin, m_fin, sig[-1]
+            cond = DiTCondition(motion=m, audio=audios[0], text=text,
+                                t_pos=torch.arange(3, dtype=torch.float32))
+            with torch.no_grad():
+                _, kv = causal_block_forward(dit, x, torch.full((1, 3), float(sigma)), cond, sink, None)
+            for i in range(dit.config.depth):
+                k, v = den.caches[j].layer(i)
+                assert float((k - kv.k[i]).abs().max()) <= 1e-6
+                assert float((v - kv.v[i]).abs().max()) <= 1e-6
+    same = rollout(dit, CausalSettings(kv_blocks=2), 3)[1]
+    nxt = rollout(dit, CausalSettings(kv_blocks=2, history_level="next"), 3)[1]
+    assert torch.equal(same[0][0], nxt[0][0])  # the first block reads no history: the same
+    assert float((same[2][0] - nxt[2][0]).abs().max()) > 1e-3  # later blocks read other history
+    with pytest.raises(ValueError, match="history_level"):
+        CausalSettings(history_level="clean")
 
 
 def test_block_causal_mask_layout():

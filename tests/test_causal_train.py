@@ -174,16 +174,17 @@ def test_blockwise_gradient_accumulation_equals_one_graph(dataset):
     assert den > 0 and num / den < 1e-5
 
 
-@pytest.mark.parametrize("guidance", [None, (6.0, 1.0)])
-def test_rollout_is_the_engine_streaming_computation(dataset, guidance):
+@pytest.mark.parametrize("guidance,level", [(None, "same"), ((6.0, 1.0), "same"), ((6.0, 1.0), "next")])
+def test_rollout_is_the_engine_streaming_computation(dataset, guidance, level):
     """With History Corrupt off and the last exit step, the training rollout's clean estimates
     are what the engine's CausalDenoiser (Algorithm 3) produces from the same noise, with and
-    without guidance scales as the (CFG-distilled) student's inputs."""
+    without guidance scales as the (CFG-distilled) student's inputs, and with either history
+    level (the K/V a block leaves: its input's or its output's)."""
     from avatarstream.engine.causal import CausalDenoiser, CausalSettings
     from avatarstream.engine.module import Module
 
     over = {} if guidance is None else {"dmd__guidance": list(guidance)}
-    task = _dmd_task(dataset, dmd__history_corrupt=0.0, **over)
+    task = _dmd_task(dataset, dmd__history_corrupt=0.0, dmd__history_level=level, **over)
     if guidance is not None:  # a trained guidance embedding (init_net starts it at zero: no effect)
         torch.nn.init.normal_(task.nets["dit"].guidance_embedding[2].weight, std=0.5)
     g = step_generator(1, 1)
@@ -195,7 +196,8 @@ def test_rollout_is_the_engine_streaming_computation(dataset, guidance):
         roll = task.self_forcing_rollout(b, 3, g, noise=noise)
     outs = {}
     for scales in {None, guidance}:
-        den = CausalDenoiser(Module("dit", gen), task.sigmas, CausalSettings(kv_blocks=1, guidance=scales))
+        den = CausalDenoiser(Module("dit", gen), task.sigmas,
+                             CausalSettings(kv_blocks=1, guidance=scales, history_level=level))
         den.start(gen.encode_reference(b["ref_lat"], b["ref_valid"], torch.full((3,), -8.0)),
                   b["anchor"])  # the scene anchor, as the engine passes it (scene_anchor)
         outs[scales] = []

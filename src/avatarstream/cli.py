@@ -43,6 +43,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rolling-rope", action=argparse.BooleanOptionalAction, default=None,
                    help="causal: the sink's RoPE position moves with the window (default: the "
                         "model's; --no-rolling-rope keeps it fixed)")
+    p.add_argument("--history-level", choices=["same", "next"], default=None,
+                   help="causal: the K/V a block leaves for the next at each step, those of its input "
+                        "(same noise level: timestep forcing) or of its output (next level: one more "
+                        "forward a step; default: the model's)")
     p.add_argument("--seconds-per-chunk", type=float, default=None,
                    help="chunk length in seconds of video (rounded to whole latent frames)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk")
@@ -57,7 +61,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hls", default=None, metavar="DIR", help="also publish a live HLS stream into DIR")
     p.add_argument("--max-audio-seconds", type=float, default=3600.0,
                    help="refuse audio longer than this (default 3600)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: all cores; causal with the decode on its own "
+                        "thread: all but one, see hardware.generation_threads)")
     p.add_argument("--events", action="store_true",
                    help="print one JSON line per chunk on stderr (frames published and durable)")
     p.add_argument("--no-progress", action="store_true")
@@ -88,7 +94,7 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
             o[key] = val
     if getattr(args, "decode_inline", False):
         o["decode_overlap"] = False
-    for key in ("adaptive_sink", "rolling_rope"):
+    for key in ("adaptive_sink", "rolling_rope", "history_level"):
         if getattr(args, key, None) is not None:
             o[key] = getattr(args, key)
     strategy = o.get("strategy", c.strategy)
@@ -138,6 +144,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     models = load_model(args.model)
     _configure(models, args)
     cfg = models.config
+    if not args.threads:
+        from avatarstream.hardware import generation_threads
+
+        torch.set_num_threads(generation_threads(cfg.strategy, cfg.decode_overlap))
     pipeline = Pipeline(models)
 
     sinks = [FragmentedMP4Sink(out)]
@@ -183,7 +193,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else:
                 s.abort()  # nothing useful written: leave no broken file behind
     result = summary.as_dict()
-    result.update(model=args.model, strategy=cfg.strategy, steps=cfg.steps, out=str(out))
+    result.update(model=args.model, strategy=cfg.strategy, steps=cfg.steps, out=str(out),
+                  threads=torch.get_num_threads())
     _print_summary(result)
     if args.json:
         print(json.dumps(result))

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--audio", default="examples/speech.mp3")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--strategy", default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: generate's own: all cores, all but one for causal)")
     p.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported")
     p.add_argument("--decode-inline", action="store_true",
                    help="decode in the generating thread (the A/B of the overlapped decode)")
@@ -59,7 +59,8 @@ def generate_once(model: str, reference: str, audio: str, *, steps: int | None =
         cmd += ["--steps", str(steps)]
     if strategy is not None:
         cmd += ["--strategy", strategy]
-    cmd += ["--threads", str(threads or os.cpu_count() or 1)]
+    if threads:  # else generate's own default (hardware.generation_threads)
+        cmd += ["--threads", str(threads)]
     cmd += extra or []
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -108,10 +109,11 @@ def run(args: argparse.Namespace) -> dict:
         out.unlink(missing_ok=True)
         out.parent.rmdir()
         r = summarise(summary, process_s)
+        r["threads"] = summary.get("threads")
         if best is None or r["rtf"] > best["rtf"]:
             best = r
     assert best is not None
     pipe = model_spec_for(model).pipeline()
     return {**best, "model": model, "steps": args.steps or pipe.steps, "strategy": args.strategy or pipe.strategy,
-            "threads": args.threads or os.cpu_count(), "resolution": pipe.hr_size,
+            "threads": best.get("threads") or args.threads or os.cpu_count(), "resolution": pipe.hr_size,
             "decode_overlap": not args.decode_inline}

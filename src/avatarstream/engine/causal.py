@@ -2,7 +2,12 @@
 
 `CausalDenoiser` owns the rolling state of the block-causal DiT for one stream:
 - one `RollingKVCache` per denoising step it runs (timestep forcing: block i at step j attends to
-  the K/V the previous blocks produced at step j, i.e. at the same noise level);
+  the K/V the previous blocks produced at step j, i.e. at the same noise level). With
+  `history_level = "next"` the K/V a block leaves in step j's cache are those of its state after
+  that step (at the next, lower σ; clean after the last step), computed by one more forward of the
+  same worker: block i at step j then reads its predecessors one notch less noisy than itself.
+  Still local to the worker that owns step j, so timestep-forcing pipeline parallelism keeps
+  working; it costs a second forward a step (see `CausalSettings.history_level`);
 - the `SinkCache` (reference K/V, cached once per sink);
 - the number of blocks done.
 
@@ -36,6 +41,9 @@ from avatarstream.models.dit import DiTCondition
 from avatarstream.samplers import sample_euler, sample_stochastic_euler
 
 
+HISTORY_LEVELS = ("same", "next")
+
+
 @dataclass(frozen=True)
 class CausalSettings:
     """The causal strategy's knobs (defaults: Live Avatar's)."""
@@ -48,6 +56,16 @@ class CausalSettings:
     # (audio, reference) scales, the inputs of a CFG-distilled DiT (one pass a step); None: the
     # DiT's plain conditional prediction (a DiT that is not CFG-distilled runs unguided here)
     guidance: tuple[float, float] | None = None
+    # what a block leaves in step j's cache: "same" (Live Avatar: its K/V at step j's input, the
+    # noise level of the blocks that read it) or "next" (its K/V at step j's output, σ_{j+1}: one
+    # extra forward a step; the last step's cache holds the finished, clean block). At step 0
+    # (σ = 1) "same" history is pure noise: a block's coarse layout is chosen without seeing its
+    # predecessor, which is where the block seams come from (model card of the causal student)
+    history_level: str = "same"
+
+    def __post_init__(self) -> None:
+        if self.history_level not in HISTORY_LEVELS:
+            raise ValueError(f"history_level must be one of {HISTORY_LEVELS}, got {self.history_level!r}")
 
 
 def guidance_tensor(scales: tuple[float, float] | None, batch: int,
@@ -128,7 +146,8 @@ class CausalDenoiser:
         """Run this denoiser's steps on block `block` (timeline `positions`, `len = block size`).
 
         x `[B, C, Tb, h, w]` at sigma = sigmas[steps[0]], m `[B, Tb, Dm]`; returns both at
-        sigmas[steps[-1] + 1]. Each step's K/V goes into that step's cache afterwards.
+        sigmas[steps[-1] + 1]. Each step's K/V goes into that step's cache afterwards (its input's,
+        or with `history_level` "next" its output's, from one more forward).
         `record` (tests): gets (step, x_in, m_in, velocity, motion_velocity) per step.
         """
         if self.sink is None:
@@ -141,13 +160,17 @@ class CausalDenoiser:
             cache = self.caches[j]
             kv_out = []
 
-            def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            def forward(flat: torch.Tensor, sigma: torch.Tensor):  # type: ignore[no-untyped-def]
                 xs, ms = unpack(flat, x.shape, m.shape)
                 cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
                                     anchor=self.anchor, guidance=guidance)
                 sig = torch.full((b, tb), float(sigma))
                 out, kv = self.dit.run(causal_block_forward, self.dit.model, xs, sig, cond, sink, cache)
                 kv_out.append(kv)
+                return xs, ms, out
+
+            def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+                xs, ms, out = forward(flat, sigma)
                 v, mv = out.velocity.float(), out.motion_velocity.float()
                 if record is not None:
                     record.append((j, xs.clone(), ms.clone(), v.clone(), mv.clone()))
@@ -161,7 +184,9 @@ class CausalDenoiser:
                 state = sample_stochastic_euler(denoise, state, sig, overshoot=self.overshoot,
                                                 generator=step_generator(self.seed, block, j))
             x, m = unpack(state, x.shape, m.shape)
-            cache.append(kv_out[0], int(positions[0]))
+            if self.settings.history_level == "next":  # the K/V of the step's output, at σ_{j+1}
+                forward(state, sig[1])
+            cache.append(kv_out[0 if self.settings.history_level == "same" else -1], int(positions[0]))
         self.blocks_done += 1
         return x, m
 

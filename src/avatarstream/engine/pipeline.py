@@ -76,6 +76,7 @@ class PipelineConfig:
     kv_blocks: int = 4  # causal: blocks of history in each rolling KV cache
     adaptive_sink: bool = True  # causal: Adaptive Attention Sink (first generated frame as sink)
     rolling_rope: bool = True  # causal: the sink's RoPE position moves with the window
+    history_level: str = "same"  # causal: "same" (timestep forcing) or "next" (CausalSettings)
     decode_overlap: bool = True  # VAE decode + publish on a thread of its own (bit-identical video)
     # prefix/interp: chunks made from the reference are given the scene frame at frame 0 (the
     # reference's first usable frame: Avatar V's driving first frame); False: reference only
@@ -107,6 +108,7 @@ class PipelineConfig:
     def causal_settings(self) -> CausalSettings:
         return CausalSettings(block=self.block, kv_blocks=self.kv_blocks,
                               adaptive_sink=self.adaptive_sink, rolling_rope=self.rolling_rope,
+                              history_level=self.history_level,
                               ref_t_position=self.ref_t_position,
                               guidance=self.guidance if self.guidance_input else None)
 

@@ -18,7 +18,9 @@ the generator's own samples). Per iteration (Algorithm 2):
    (reference; with `adaptive_sink`, the first block's estimate after it) placed by Rolling RoPE.
    **History Corrupt**: every block's K/V is perturbed by Gaussian noise (std `history_corrupt`
    × the tensor's RMS) before it enters the caches, and no clean re-run refreshes them: later
-   blocks always read noisy history. No gradients here.
+   blocks always read noisy history. With `history_level = "next"` the K/V a block leaves in step
+   j's cache come from one more forward on its state after step j (σ_{j+1}; after the last step,
+   the clean block), as the engine computes them; corrupted the same way. No gradients here.
 2. `dmd_gradient`: x̂0 of all blocks -> x_t at a random σ; real and fake scores give x0_real,
    x0_fake; the DMD gradient w.r.t. the sample is (x0_fake − x0_real) / mean|x̂0 − x0_real|,
    times the mouth/eye weight map (`mouth`, `eyes`, `radius`, as the flow-matching stages weight
@@ -47,7 +49,7 @@ import torch
 from avatarstream.cache.kv import BlockKV, RollingKVCache
 from avatarstream.cache.reference import ReferenceCache
 from avatarstream.cache.sink import SinkCache
-from avatarstream.engine.causal import guidance_tensor
+from avatarstream.engine.causal import HISTORY_LEVELS, guidance_tensor
 from avatarstream.errors import ConfigError
 from avatarstream.models.causal import block_causal_forward, causal_block_forward
 from avatarstream.models.dit import DiTCondition, VideoRefDiT
@@ -186,6 +188,9 @@ class SelfForcingDMDTask(_CausalTask):
                 or c["score_window"] < 0):
             raise ConfigError("dmd: steps >= 1, fake_updates >= 1, score_window >= 0 and "
                               "0 <= sigma_min < sigma_max <= 1 are required")
+        if c["history_level"] not in HISTORY_LEVELS:
+            raise ConfigError(f"dmd.history_level must be one of {', '.join(HISTORY_LEVELS)}, "
+                              f"got {c['history_level']!r}")
         cfg = dit_config(recipe["model"], self.direct)
         self.teacher_guidance = guidance_scales(c["teacher_guidance"], "dmd.teacher_guidance")
         self.nets["teacher"] = VideoRefDiT(cfg)
@@ -279,8 +284,13 @@ class SelfForcingDMDTask(_CausalTask):
                 else:
                     with torch.no_grad():
                         x0, m0, kv = self._gen_step(gen, x, m, sig[j], cond, placed, caches[j])
-                        v, mv = (x - x0) / sig[j], (m - m0) / sig[j]
-                        x, m = x + (sig[j + 1] - sig[j]) * v, m + (sig[j + 1] - sig[j]) * mv  # Euler
+                if j < s or c["history_level"] == "next":
+                    with torch.no_grad():  # Euler to σ_{j+1} (the exit step: only for its K/V)
+                        v, mv = (x - x0.detach()) / sig[j], (m - m0.detach()) / sig[j]
+                        x, m = x + (sig[j + 1] - sig[j]) * v, m + (sig[j + 1] - sig[j]) * mv
+                        if c["history_level"] == "next":  # the K/V of the step's output
+                            _, _, kv = self._gen_step(gen, x, m, sig[j + 1], self._block_cond(b, i, m),
+                                                      placed, caches[j])
                 kv = history_corrupt(kv.detach(), c["history_corrupt"], g)
                 caches[j].append(kv, i * blk)
                 if j == s:

@@ -176,7 +176,8 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
             pipe = dataclasses.replace(pipe, strategy="prefix", chunk=c["prefix_chunk"], overlap=c["overlap"])
         else:
             pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"],
-                                       adaptive_sink=bool(c.get("adaptive_sink", False)))
+                                       adaptive_sink=bool(c.get("adaptive_sink", False)),
+                                       history_level=c.get("history_level", "same"))
         if c.get("guidance"):
             pipe = dataclasses.replace(pipe, audio_scale=float(c["guidance"][0]),
                                        ref_scale=float(c["guidance"][1]), guidance_input=True)
@@ -288,9 +289,9 @@ def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-
 
     def pipeline():  # type: ignore[no-untyped-def]
         """Today's preset, with the inference defaults the export chose (CFG scales, steps, a
-        direct model's lr_size)."""
+        direct model's lr_size, the causal strategy's block, window, sink rule and history level)."""
         keep = {k: stored_pipe[k] for k in ("audio_scale", "ref_scale", "guidance_input", "lr_size", "steps",
-                                            "strategy", "block", "kv_blocks")
+                                            "strategy", "block", "kv_blocks", "adaptive_sink", "history_level")
                 if stored_pipe.get(k) is not None}
         return dataclasses.replace(preset(), **keep)
 

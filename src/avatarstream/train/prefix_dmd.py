@@ -52,9 +52,9 @@ class PrefixDMDTask(SelfForcingDMDTask):
         if not (P >= 2 and 1 <= o < P) or self.T < P or (self.T - P) % (P - o):
             raise ConfigError(f"dmd (prefix): chunk ({self.T}) must be prefix_chunk ({P}) plus a whole number "
                               f"of prefix_chunk - overlap ({P - o}), with 1 <= overlap < prefix_chunk")
-        if c["block_start"] or c["adaptive_sink"] or c["history_corrupt"]:
-            raise ConfigError("dmd (prefix): block_start, adaptive_sink and history_corrupt belong to the causal "
-                              "strategy; set them to 0 / false")
+        if c["block_start"] or c["adaptive_sink"] or c["history_corrupt"] or c["history_level"] != "same":
+            raise ConfigError("dmd (prefix): block_start, adaptive_sink, history_corrupt and history_level belong "
+                              "to the causal strategy; set them to 0 / false / \"same\"")
         self.chunks = 1 + (self.T - P) // (P - o)
 
     def chunk_slices(self) -> list[slice]:

@@ -74,6 +74,10 @@ _CAUSAL = {"chunk": 12, "block": 3, "history": 4, "ref_frames": 8, "p_cross_scen
 DEFAULTS["df"] = {**_CAUSAL, "p_shared_sigma": 0.25, "mouth": 2.0, "eyes": 1.0, "radius": 0.06}
 DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigma_max": 0.98,
                    "history_corrupt": 0.05, "adaptive_sink": True, "blockwise_grad": True, "teacher": "",
+                   # what a block leaves in step j's cache: its K/V at step j's input ("same":
+                   # timestep forcing) or at its output ("next": one more forward a step), as the
+                   # engine's CausalSettings.history_level; export carries it into the model
+                   "history_level": "same",
                    # mouth/eye emphasis of the DMD gradient (0, 0: uniform)
                    "mouth": 0.0, "eyes": 0.0, "radius": 0.06,
                    # scales the real and fake scores get (a CFG-distilled teacher: the guided
