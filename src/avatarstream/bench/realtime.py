@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -109,11 +108,11 @@ def run(args: argparse.Namespace) -> dict:
         out.unlink(missing_ok=True)
         out.parent.rmdir()
         r = summarise(summary, process_s)
-        r["threads"] = summary.get("threads")
+        r["threads"] = summary["threads"]  # what generate used (its own default unless --threads)
         if best is None or r["rtf"] > best["rtf"]:
             best = r
     assert best is not None
     pipe = model_spec_for(model).pipeline()
     return {**best, "model": model, "steps": args.steps or pipe.steps, "strategy": args.strategy or pipe.strategy,
-            "threads": best.get("threads") or args.threads or os.cpu_count(), "resolution": pipe.hr_size,
+            "threads": best["threads"], "resolution": pipe.hr_size,
             "decode_overlap": not args.decode_inline}
