@@ -44,7 +44,9 @@ $(SERVE): $(REAL)
 	$(PY) -m pip install -q -e '.[dev,real,serve,browser]'
 	touch $(SERVE)
 
+# The layer contracts first (import-linter, pyproject.toml): a forbidden arrow fails in seconds.
 test: $(STAMP) $(REAL) $(SERVE) sysdeps
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -q
 
 clean:

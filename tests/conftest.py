@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from avatarstream.bench.inputs import face_image, speechlike, write_png, write_wav
+from avatarstream.media.image import write_png
+from avatarstream.media.synthetic import face_image, speechlike, write_wav
 
 
 def write_audio(path: Path, seconds: float, rate: int, channels: int, codec: str) -> Path:

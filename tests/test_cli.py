@@ -142,11 +142,11 @@ def test_sink_switches_go_both_ways():
     """`--adaptive-sink` / `--no-adaptive-sink` (and the Rolling RoPE pair) override the model's
     default either way; left out, the model's default stands."""
     from avatarstream.cli import _overrides, build_parser
-    from avatarstream.registry import _small_pipeline
+    from avatarstream.weights import small_pipeline
 
     p = build_parser()
     base = ["generate", "--reference", "r.png", "--audio", "a.wav", "--out", "o.mp4"]
-    c = _small_pipeline()
+    c = small_pipeline()
     assert _overrides(c, p.parse_args(base)) == {}
     assert _overrides(c, p.parse_args(base + ["--no-adaptive-sink"])) == {"adaptive_sink": False}
     assert _overrides(c, p.parse_args(base + ["--adaptive-sink", "--no-rolling-rope"])) == {

@@ -4,88 +4,95 @@
   engine is tested and benchmarked without trained weights; seconds on a CPU.
 - `small-random`: the small() sizes (what we train and bundle), random weights: the real cost of
   the chunk loop at 256x256.
-Trained models (safetensors + model card under `weights/NAME/`) are added to MODELS as they land.
+- every bundled weights folder under `avatarstream/weights/` (config.json + the .safetensors),
+  named after its folder, and any weights folder `train export` wrote, named by its path.
+
+Importing this module reads nothing: the bundled folders are found the first time a name is
+asked for or the models are listed (`MODELS` scans on first use), and weights are read only by
+`load_model`. The folders are read by `avatarstream.weights`, never by the trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from avatarstream.engine.module import Module
-from avatarstream.engine.pipeline import ModelSet, PipelineConfig
+from avatarstream.engine.config import ModelSet
 from avatarstream.errors import ConfigError
 from avatarstream.hardware import bf16_is_fast
-from avatarstream.models.audio import AudioConfig, AudioEncoder, StreamingAudioFeatures
-from avatarstream.models.dit import DiTConfig, VideoRefDiT
-from avatarstream.models.refiner import RefinerConfig, SRRefiner
-from avatarstream.models.text import TextConfig, TextEncoder
-from avatarstream.models.vae import CausalVAE, VAEConfig
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    dit: Callable[[], DiTConfig]
-    refiner: Callable[[], RefinerConfig] | None  # None: a direct model (DiT at the output size)
-    vae: Callable[[], VAEConfig]
-    audio: Callable[[], AudioConfig]
-    text: Callable[[], TextConfig]
-    pipeline: Callable[[], PipelineConfig]
-    weights: Path | None = None  # folder with dit/(refiner)/vae/audio/text .safetensors
-    seed: int = 0
-    description: str = ""
-
-
-def _tiny_pipeline() -> PipelineConfig:
-    return PipelineConfig(lr_size=32, hr_size=64, latent_channels=4, motion_dim=4, chunk=4,
-                          ref_frames=4, steps=4)
-
-
-def _small_pipeline() -> PipelineConfig:
-    return PipelineConfig(lr_size=128, hr_size=256, latent_channels=16, motion_dim=16, chunk=8,
-                          ref_frames=16, steps=4)
-
-
-MODELS: dict[str, ModelSpec] = {
-    "tiny-random": ModelSpec("tiny-random", DiTConfig.tiny, RefinerConfig.tiny, VAEConfig.tiny,
-                             AudioConfig.tiny, TextConfig.tiny, _tiny_pipeline,
-                             description="tiny() networks, fixed random weights (engine tests)"),
-    "small-random": ModelSpec("small-random", DiTConfig.small, RefinerConfig.small, VAEConfig.small,
-                              AudioConfig.small, TextConfig.small, _small_pipeline,
-                              description="small() networks, random weights (real cost, no quality)"),
-}
-
+from avatarstream.models.audio import AudioConfig, StreamingAudioFeatures
+from avatarstream.models.dit import DiTConfig
+from avatarstream.models.refiner import RefinerConfig
+from avatarstream.models.text import TextConfig
+from avatarstream.models.vae import VAEConfig
+from avatarstream.weights.folder import load_weights, model_spec
+from avatarstream.weights.spec import ModelSpec, small_pipeline, tiny_pipeline
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 BUNDLED = "avatarstream-small"
-
-
-def _register_bundled() -> None:
-    """Every exported folder under avatarstream/weights/ (config.json + five .safetensors) is a
-    model named after its folder."""
-    if not WEIGHTS_DIR.is_dir():
-        return
-    from avatarstream.train.export import model_spec
-
-    for cfg in sorted(WEIGHTS_DIR.glob("*/config.json")):
-        spec = model_spec(cfg.parent)
-        card = cfg.parent / "README.md"
-        MODELS[spec.name] = dataclasses.replace(
-            spec, description=f"trained, bundled (model card: {card})" if card.is_file() else spec.description)
-
-
-_register_bundled()
-# The default of `generate`, `serve` and the benchmarks: the bundled trained model once it ships.
-DEFAULT_MODEL = BUNDLED if BUNDLED in MODELS else "tiny-random"
-# The default of the causal benchmarks (`bench drift`, `bench tpp`, the causal column of `bench
-# strategies`): the bundled causal student once it ships (its default strategy is `causal`).
+# the bundled causal student (its default strategy is `causal`)
 BUNDLED_CAUSAL = BUNDLED + "-causal"
-DEFAULT_CAUSAL_MODEL = BUNDLED_CAUSAL if BUNDLED_CAUSAL in MODELS else DEFAULT_MODEL
+
+
+class ModelRegistry(MutableMapping[str, ModelSpec]):
+    """name -> ModelSpec. The random models are there from the start; the bundled folders (every
+    `WEIGHTS_DIR/*/config.json`) are added on first use, so importing the registry costs no
+    directory scan and no file read."""
+
+    def __init__(self, specs: dict[str, ModelSpec]) -> None:
+        self._specs = dict(specs)
+        self._scanned = False
+
+    def _all(self) -> dict[str, ModelSpec]:
+        if not self._scanned:  # a folder that fails to read fails every use, as an import once did
+            for cfg in sorted(WEIGHTS_DIR.glob("*/config.json")):
+                spec = model_spec(cfg.parent)
+                card = cfg.parent / "README.md"
+                self._specs.setdefault(spec.name, dataclasses.replace(
+                    spec, description=f"trained, bundled (model card: {card})" if card.is_file()
+                    else spec.description))
+            self._scanned = True
+        return self._specs
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        return self._all()[name]
+
+    def __setitem__(self, name: str, spec: ModelSpec) -> None:
+        self._all()[name] = spec
+
+    def __delitem__(self, name: str) -> None:
+        del self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+MODELS = ModelRegistry({
+    "tiny-random": ModelSpec("tiny-random", DiTConfig.tiny, RefinerConfig.tiny, VAEConfig.tiny,
+                             AudioConfig.tiny, TextConfig.tiny, tiny_pipeline,
+                             description="tiny() networks, fixed random weights (engine tests)"),
+    "small-random": ModelSpec("small-random", DiTConfig.small, RefinerConfig.small, VAEConfig.small,
+                              AudioConfig.small, TextConfig.small, small_pipeline,
+                              description="small() networks, random weights (real cost, no quality)"),
+})
+
+
+def default_model(*, causal: bool = False) -> str:
+    """The default of `generate`, `serve` and the benchmarks: the bundled trained model if it
+    ships, else tiny-random. `causal`: the default of the causal benchmarks (`bench drift`,
+    `bench tpp`, the causal column of `bench strategies`) and of `generate --strategy causal`:
+    the bundled causal student if it ships, else the plain default."""
+    plain = BUNDLED if BUNDLED in MODELS else "tiny-random"
+    if causal:
+        return BUNDLED_CAUSAL if BUNDLED_CAUSAL in MODELS else plain
+    return plain
 
 
 def available_models() -> list[str]:
@@ -97,9 +104,7 @@ def model_spec_for(name: str) -> ModelSpec:
     .safetensors), registered under its path the first time it is asked for."""
     spec = MODELS.get(name)
     if spec is None and (Path(name) / "config.json").is_file():
-        from avatarstream.train.export import model_spec
-
-        spec = dataclasses.replace(model_spec(Path(name)), name=name)
+        spec = model_spec(Path(name), name=name)
         MODELS[name] = spec
     if spec is None:
         raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}, "
@@ -109,10 +114,10 @@ def model_spec_for(name: str) -> ModelSpec:
 
 def resolve_model(name: str | None, *, causal: bool = False) -> str:
     """A command's --model: the name if it is registered (or a weights folder); when none was
-    given DEFAULT_MODEL, or with `causal` (the causal strategy was asked for: `generate
-    --strategy causal`, the causal benchmarks) DEFAULT_CAUSAL_MODEL."""
+    given `default_model(causal=causal)` (`causal`: the causal strategy was asked for:
+    `generate --strategy causal`, the causal benchmarks)."""
     if name is None:
-        name = DEFAULT_CAUSAL_MODEL if causal else DEFAULT_MODEL
+        name = default_model(causal=causal)
     model_spec_for(name)
     return name
 
@@ -123,33 +128,19 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> M
     AVX512-bf16, far slower without; `hardware.bf16_is_fast`)."""
     spec = model_spec_for(name)
     torch.manual_seed(spec.seed)
-    nets = {
-        "dit": VideoRefDiT(spec.dit()),
-        "refiner": None if spec.refiner is None else SRRefiner(spec.refiner()),
-        "vae": CausalVAE(spec.vae()),
-        "audio": AudioEncoder(spec.audio()),
-        "text": TextEncoder(spec.text()),
-    }
+    nets = spec.networks()
     if spec.weights is None:
         for net in nets.values():
             if net is not None:
                 _randomize(net, spec.seed)
+    else:
+        load_weights(spec, nets)  # into the fp32 CPU networks, before they are placed
     if bf16 is None:
         bf16 = name != "tiny-random" and bf16_is_fast(device)
     ac = torch.bfloat16 if bf16 else None
     mods = {k: None if v is None else
             Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner", "vae") else None)
             for k, v in nets.items()}
-    if spec.weights is not None:
-        from avatarstream.train.export import weights_file
-
-        for k, mod in mods.items():
-            if mod is not None:
-                path = weights_file(spec.weights, k)
-                if path is None:
-                    raise ConfigError(f"{spec.weights}: no {k}.safetensors (a weights folder made by "
-                                      "`avatarstream train export` has one per network)")
-                mod.load_safetensors(path)
     audio_model = mods["audio"].model
     return ModelSet(name=name, config=spec.pipeline(),
                     make_audio_stream=lambda: StreamingAudioFeatures(audio_model), **mods)

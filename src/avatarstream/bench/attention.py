@@ -69,7 +69,7 @@ def _min_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 def make_inputs(cfg, chunk: int, latent: int, seed: int = 0):  # type: ignore[no-untyped-def]
     """Random chunk inputs: x [1,C,T,h,w], sigma [1,T], DiTCondition."""
-    from avatarstream.models.dit import DiTCondition
+    from avatarstream.models.transformer import DiTCondition
 
     g = torch.Generator().manual_seed(seed)
     t = chunk
@@ -83,13 +83,33 @@ def make_inputs(cfg, chunk: int, latent: int, seed: int = 0):  # type: ignore[no
     return x, sigma, cond
 
 
-def run(args: argparse.Namespace) -> dict:
-    from avatarstream.models.dit import DiTConfig, VideoRefDiT
+def random_dit(args: argparse.Namespace, cfg):  # type: ignore[no-untyped-def]
+    """The DiT the model benchmarks time, set up as their `--threads` and `--dtype` ask.
 
-    quick = bool(getattr(args, "quick", False))
+    Returns (dit, dtype, autocast): random weights from seed 0 (the same model on every run, so
+    runs compare), `dtype` with "auto" resolved (bf16 where this CPU runs it fast, else fp32), and
+    the autocast context to time it under.
+    """
+    from avatarstream.models.dit import VideoRefDiT
+
     threads = int(getattr(args, "threads", 0) or 0)
     if threads:
         torch.set_num_threads(threads)
+    dtype = getattr(args, "dtype", "auto")
+    if dtype == "auto":
+        dtype = "bf16" if bf16_is_fast("cpu") else "fp32"
+    torch.manual_seed(0)
+    dit = VideoRefDiT(cfg).eval()
+    dit.init_random_(0)
+    ac = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
+          else contextlib.nullcontext())
+    return dit, dtype, ac
+
+
+def run(args: argparse.Namespace) -> dict:
+    from avatarstream.models.dit import DiTConfig
+
+    quick = bool(getattr(args, "quick", False))
     if quick:
         cfg, latent, chunk, max_ref, repeats, fit_min = DiTConfig.tiny(), 4, 4, 4, 1, 1
     else:
@@ -97,16 +117,9 @@ def run(args: argparse.Namespace) -> dict:
         latent, chunk = 16, int(getattr(args, "chunk", 8))
         max_ref, repeats = int(getattr(args, "max_ref", 64)), int(getattr(args, "repeats", 5))
         fit_min = int(getattr(args, "fit_min", 8))
-    dtype = getattr(args, "dtype", "auto")
-    if dtype == "auto":
-        dtype = "bf16" if bf16_is_fast("cpu") else "fp32"
-    torch.manual_seed(0)
-    dit = VideoRefDiT(cfg).eval()
-    dit.init_random_(0)
+    dit, dtype, ac = random_dit(args, cfg)
     x, sigma, cond = make_inputs(cfg, chunk, latent)
     refs = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= max_ref]
-    ac = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
-          else contextlib.nullcontext())
     sparse_ms, dense_ms = [], []
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode(), ac:

@@ -14,12 +14,9 @@ Each variant is timed --repeats times (interleaved); the minimum wall time of ea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import torch
-
-from avatarstream.hardware import bf16_is_fast
 
 HELP = "one 4-step chunk with a 16-frame reference: cached reference K/V vs recomputed each step"
 
@@ -38,13 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from avatarstream.bench.attention import make_inputs
-    from avatarstream.models.dit import DiTConfig, VideoRefDiT
+    from avatarstream.bench.attention import make_inputs, random_dit
+    from avatarstream.models.dit import DiTConfig
 
     quick = bool(getattr(args, "quick", False))
-    threads = int(getattr(args, "threads", 0) or 0)
-    if threads:
-        torch.set_num_threads(threads)
     steps = int(getattr(args, "steps", 4))
     if quick:
         cfg, latent, chunk, nref, repeats = DiTConfig.tiny(), 4, 4, 4, 1
@@ -52,12 +46,7 @@ def run(args: argparse.Namespace) -> dict:
         cfg, latent = DiTConfig.small(), 16
         chunk, nref = int(getattr(args, "chunk", 8)), int(getattr(args, "ref_frames", 16))
         repeats = int(getattr(args, "repeats", 5))
-    dtype = getattr(args, "dtype", "auto")
-    if dtype == "auto":
-        dtype = "bf16" if bf16_is_fast("cpu") else "fp32"
-    torch.manual_seed(0)
-    dit = VideoRefDiT(cfg).eval()
-    dit.init_random_(0)
+    dit, dtype, ac = random_dit(args, cfg)
     x, _, cond = make_inputs(cfg, chunk, latent)
     g = torch.Generator().manual_seed(1)
     lat = torch.randn(1, cfg.in_channels, nref, latent, latent, generator=g)
@@ -81,8 +70,6 @@ def run(args: argparse.Namespace) -> dict:
             y = y - 0.25 * out.velocity.float()
         return y
 
-    ac = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
-          else contextlib.nullcontext())
     tc, te, tu = [], [], []
     with torch.inference_mode(), ac:
         cached(encode()), uncached()  # warm-up

@@ -42,7 +42,7 @@ def dit_forward_flops(models, cfg, ref_frames: int) -> int:  # type: ignore[no-u
     """FLOPs of one DiT forward at the chunk's shape (FlopCounterMode: matmuls and attention)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from avatarstream.models.dit import DiTCondition
+    from avatarstream.models.transformer import DiTCondition
 
     dit = models.dit.model
     h = cfg.lr_size // 8

@@ -72,9 +72,9 @@ class _VP8Sink:
 
 def _trial(models, prepared, frames, n: int, args: argparse.Namespace, delay: float) -> dict:  # type: ignore[no-untyped-def]
     from avatarstream.bench.inputs import speechlike
-    from avatarstream.serve.scheduler import ChunkScheduler
-    from avatarstream.serve.session import LiveSession, LiveSessionConfig
-    from avatarstream.serve.sinks import BackgroundSink
+    from avatarstream.live.scheduler import ChunkScheduler
+    from avatarstream.live.session import LiveSession, LiveSessionConfig
+    from avatarstream.live.sinks import BackgroundSink
 
     c = models.config
     sched = ChunkScheduler(models, batching=not args.no_batching)
@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> dict:
     from avatarstream.bench.inputs import face_image
     from avatarstream.registry import load_model
     from avatarstream.serve.app import playout_delay
-    from avatarstream.serve.prepared import prepare_reference
-    from avatarstream.serve.scheduler import calibrate
+    from avatarstream.live.prepared import prepare_reference
+    from avatarstream.live.capacity import calibrate
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -50,7 +50,7 @@ def _once(specs: list) -> dict[str, float]:
     renderer alone on the last clip."""
     from avatarstream.data.clip import Clip
     from avatarstream.data.shards import ShardWriter
-    from avatarstream.data.speech import SpeechSynthesizer
+    from avatarstream.media.speech import SpeechSynthesizer
 
     synth = SpeechSynthesizer(cache_size=0)  # no memo: every sentence is synthesised
     t_clip = t_write = 0.0

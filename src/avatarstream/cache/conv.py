@@ -68,6 +68,32 @@ class ConvCache:
         self.frames.clear()
         self.chunks = 0
 
+    def layout(self) -> tuple:
+        """What must match for caches to decode as one batch: each layer's frame shape."""
+        return tuple(sorted((k, tuple(v.shape[1:])) for k, v in self.frames.items()))
+
+    @staticmethod
+    def stack(caches: "list[ConvCache]") -> "ConvCache":
+        """B caches of batch 1 with one `layout` -> one cache of batch B (one cache: itself)."""
+        if len(caches) == 1:
+            return caches[0]
+        out = ConvCache(caches[0].direction)
+        for key in caches[0].frames:
+            out.frames[key] = torch.cat([c.frames[key] for c in caches], 0)
+        return out
+
+    @staticmethod
+    def split(stacked: "ConvCache", caches: "list[ConvCache]") -> None:
+        """Hand a stacked cache's state back to the B caches it was stacked from, after a chunk
+        (one cache: it was its own stack, nothing to do)."""
+        if len(caches) == 1 and caches[0] is stacked:
+            return
+        for i, c in enumerate(caches):
+            for key, val in stacked.frames.items():
+                c.frames[key] = val[i : i + 1].clone()
+            c.bind(stacked.direction or "decode")
+            c.chunks += 1
+
     def nbytes(self) -> int:
         """Bytes held by the cached frames (bounded: constant once every layer has seen a chunk)."""
         # list(): a snapshot, taken under the GIL, so a decode thread may add layers meanwhile

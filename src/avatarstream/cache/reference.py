@@ -43,7 +43,8 @@ class ReferenceCache:
             return None
         return self.key_valid.repeat_interleave(self.tokens_per_frame, dim=1)
 
-    def _expand(self, b: int) -> "ReferenceCache":
+    def expand(self, b: int) -> "ReferenceCache":
+        """This cache for a batch of b (a batch of 1 broadcasts, as views; no copy)."""
         if self.batch == b:
             return self
         if self.batch != 1:
@@ -62,7 +63,7 @@ class ReferenceCache:
         if len(self.k) != len(other.k) or self.tokens_per_frame != other.tokens_per_frame:
             raise ValueError("reference caches come from different models")
         b = max(self.batch, other.batch)
-        a, o = self._expand(b), other._expand(b)
+        a, o = self.expand(b), other.expand(b)
         if a.key_valid is None and o.key_valid is None:
             kv = None
         else:
@@ -80,6 +81,36 @@ class ReferenceCache:
             tokens_per_frame=a.tokens_per_frame,
             key_valid=kv,
         )
+
+    @staticmethod
+    def stack(caches: "list[ReferenceCache]") -> "ReferenceCache":
+        """B caches of batch 1 (one model) -> one cache of batch B, for a batch of sessions.
+
+        Shorter caches (an image vs a video reference, before/after the appearance anchor) are
+        padded to the longest with frames marked invalid in `key_valid`, which attention ignores
+        exactly. One cache comes back as it is."""
+        if len(caches) == 1:
+            return caches[0]
+        r = max(c.num_frames for c in caches)
+        p = caches[0].tokens_per_frame
+        if any(c.batch != 1 or c.tokens_per_frame != p for c in caches):
+            raise ValueError("ReferenceCache.stack takes caches of batch 1 from one model")
+        pad = torch.nn.functional.pad
+
+        def cat(xs: list[torch.Tensor], frames: list[int]) -> torch.Tensor:  # [1, H, n*P, hd] each
+            return torch.cat([pad(x, (0, 0, 0, (r - n) * p)) for x, n in zip(xs, frames)], 0)
+
+        n = [c.num_frames for c in caches]
+        valid = torch.cat([pad(torch.ones(1, c.num_frames, dtype=torch.bool) if c.key_valid is None
+                               else c.key_valid.to(torch.bool).cpu(), (0, r - c.num_frames), value=False)
+                           for c in caches], 0)  # [B, r]
+        longest = max(caches, key=lambda c: c.num_frames)
+        return ReferenceCache(
+            k=[cat([c.k[i] for c in caches], n) for i in range(len(caches[0].k))],
+            v=[cat([c.v[i] for c in caches], n) for i in range(len(caches[0].v))],
+            motion=torch.cat([pad(c.motion, (0, 0, 0, r - c.num_frames)) for c in caches], 0),
+            t_pos=longest.t_pos, tokens_per_frame=p,
+            key_valid=None if bool(valid.all()) else valid.to(caches[0].k[0].device))
 
     def nbytes(self) -> int:
         n = sum(x.numel() * x.element_size() for x in (*self.k, *self.v))

@@ -23,7 +23,7 @@ from avatarstream.data.identity import Identity
 from avatarstream.data.motion import MotionTrack, motion_track
 from avatarstream.data.render import AvatarRenderer
 from avatarstream.data.scene import Scene
-from avatarstream.data.speech import Phone, SpeechSynthesizer, voice_by_id
+from avatarstream.media.speech import Phone, SpeechSynthesizer, voice_by_id
 from avatarstream.data.splits import check_split, derive_seed
 from avatarstream.data.visemes import MouthTrack, mouth_track
 from avatarstream.errors import InputError

@@ -1,5 +1,5 @@
 """Built-in sentences for synthetic speech: short everyday sentences (4-12 words) in each language
-of the voice catalogue (`avatarstream.data.speech.VOICES`), written for this project."""
+of the voice catalogue (`avatarstream.media.speech.VOICES`), written for this project."""
 
 from __future__ import annotations
 

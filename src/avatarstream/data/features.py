@@ -23,22 +23,17 @@ MOUTH_INTERIOR = np.array([60, 10, 80], np.uint8)  # [3] RGB
 
 @dataclass(frozen=True)
 class FaceState:
-    """One frame's face parameters (all floats, neutral at 0).
+    """One frame's face parameters (all floats, neutral at 0; signs in the module docstring)."""
 
-    open 0..1 (lips apart), width -1..1 (narrow..wide), round 0..1 (puckered), teeth 0..1 (upper teeth
-    shown), smile -0.4..0.8, yaw/pitch/roll degrees (typical ±10/±8/±6), blink 0 open..1 shut,
-    brow 0..1 (raised), gaze_x / gaze_y -1..1.
-    """
-
-    open: float = 0.0
-    width: float = 0.0
-    round: float = 0.0
-    teeth: float = 0.0
-    smile: float = 0.0
-    yaw: float = 0.0
-    pitch: float = 0.0
-    roll: float = 0.0
-    blink: float = 0.0
-    brow: float = 0.0
-    gaze_x: float = 0.0
-    gaze_y: float = 0.0
+    open: float = 0.0  # 0..1: lips apart
+    width: float = 0.0  # -1..1: narrow..wide
+    round: float = 0.0  # 0..1: puckered
+    teeth: float = 0.0  # 0..1: upper teeth shown
+    smile: float = 0.0  # -0.4..0.8
+    yaw: float = 0.0  # degrees, typically ±10
+    pitch: float = 0.0  # degrees, typically ±8
+    roll: float = 0.0  # degrees, typically ±6
+    blink: float = 0.0  # 0 open..1 shut
+    brow: float = 0.0  # 0..1: raised
+    gaze_x: float = 0.0  # -1..1
+    gaze_y: float = 0.0  # -1..1

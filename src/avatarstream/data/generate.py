@@ -10,7 +10,7 @@ from typing import Any
 
 from avatarstream.data.clip import Clip, ClipSpec
 from avatarstream.data.shards import ShardWriter, write_clip
-from avatarstream.data.speech import SpeechSynthesizer
+from avatarstream.media.speech import SpeechSynthesizer
 from avatarstream.data.splits import derive_seed, identity_seeds, voices_for
 from avatarstream.errors import InputError
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from avatarstream.data.identity import TalkingStyle
-from avatarstream.data.speech import Phone
+from avatarstream.media.speech import Phone
 from avatarstream.data.visemes import VISEMES, viseme_of
 
 PITCH_REST = 1.0  # degrees: a slight downward look at rest

@@ -2,7 +2,8 @@
 
 Held-out identities are a reserved tenth of the identity space, chosen by a hash of the identity
 seed (`is_heldout_identity`), so no master seed can ever draw one into training. Held-out voices
-are marked in the voice catalogue (`speech.VOICES`: flite's rms, every Portuguese and Dutch voice).
+are marked in the voice catalogue (`media.speech.VOICES`: flite's rms, every Portuguese and
+Dutch voice).
 
 | split | identities | voices |
 | --- | --- | --- |
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 
-from avatarstream.data.speech import VOICES, Voice, voice_by_id
+from avatarstream.media.speech import VOICES, Voice, voice_by_id
 from avatarstream.errors import InputError
 
 SPLITS = ("train", "heldout-identity", "heldout-voice")

@@ -34,10 +34,10 @@ import torch
 
 from avatarstream.cache.kv import RollingKVCache
 from avatarstream.cache.reference import ReferenceCache
-from avatarstream.cache.sink import SinkCache
+from avatarstream.engine.denoiser import guidance_tensor, pack, unpack
 from avatarstream.engine.module import Module
-from avatarstream.models.causal import causal_block_forward
-from avatarstream.models.dit import DiTCondition
+from avatarstream.models.sink import SinkCache
+from avatarstream.models.transformer import DiTCondition
 from avatarstream.samplers import sample_euler, sample_stochastic_euler
 
 
@@ -66,25 +66,6 @@ class CausalSettings:
     def __post_init__(self) -> None:
         if self.history_level not in HISTORY_LEVELS:
             raise ValueError(f"history_level must be one of {HISTORY_LEVELS}, got {self.history_level!r}")
-
-
-def guidance_tensor(scales: tuple[float, float] | None, batch: int,
-                    device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """`[batch, 2]` (audio, reference) scales for `DiTCondition.guidance`, or None."""
-    if scales is None:
-        return None
-    return torch.tensor([scales], dtype=torch.float32, device=device).expand(batch, 2)
-
-
-def pack(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Latents [B,C,T,h,w] and motion [B,T,Dm] as one flat state [B, N] (what a worker sends)."""
-    return torch.cat([x.flatten(1), m.flatten(1)], dim=1)
-
-
-def unpack(flat: torch.Tensor, x_shape: torch.Size, m_shape: torch.Size
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    n = x_shape[1:].numel()
-    return flat[:, :n].reshape(x_shape), flat[:, n:].reshape(m_shape)
 
 
 def step_generator(seed: int, block: int, step: int) -> torch.Generator:
@@ -165,7 +146,7 @@ class CausalDenoiser:
                 cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
                                     anchor=self.anchor, guidance=guidance)
                 sig = torch.full((b, tb), float(sigma))
-                out, kv = self.dit.run(causal_block_forward, self.dit.model, xs, sig, cond, sink, cache)
+                out, kv = self.dit.call("forward_causal_block", xs, sig, cond, sink, cache)
                 kv_out.append(kv)
                 return xs, ms, out
 

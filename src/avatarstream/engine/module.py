@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -42,15 +41,6 @@ class Module:
         self.onload()
 
     # -- weights ---------------------------------------------------------------------------------
-    def load_safetensors(self, path: str | Path, *, strict: bool = True) -> None:
-        from safetensors.torch import load_file
-
-        state = load_file(str(path), device="cpu")
-        missing, unexpected = self.model.load_state_dict(state, strict=strict)
-        if missing or unexpected:
-            log.warning("%s: missing %s unexpected %s", self.name, missing, unexpected)
-        self.model.to(device=self.device if self.on_device else "cpu", dtype=self.dtype)
-
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 

@@ -73,6 +73,14 @@ class ChunkPlan:
         return self.positions[self.emit[0] : self.emit[1]]
 
 
+def _require(ok: bool, needs: str, **got: int) -> None:
+    """A schedule's check of its sizes: ConfigError saying what it `needs` and the values it got
+    (the sizes come from a recipe or the command line, so the message names them)."""
+    if not ok:
+        values = ", ".join(f"{k}={v}" for k, v in got.items())
+        raise ConfigError(f"{needs} (got {values})")
+
+
 class ContinuitySchedule(Protocol):
     name: str
     uses_appearance_anchor: bool
@@ -100,11 +108,9 @@ class PrefixSchedule:
     _prev: ChunkPlan | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.chunk < 2 or not 1 <= self.overlap < self.chunk:
-            raise ConfigError(
-                f"prefix schedule needs chunk >= 2 and 1 <= overlap < chunk "
-                f"(got chunk={self.chunk}, overlap={self.overlap})"
-            )
+        _require(self.chunk >= 2 and 1 <= self.overlap < self.chunk,
+                 "prefix schedule needs chunk >= 2 and 1 <= overlap < chunk",
+                 chunk=self.chunk, overlap=self.overlap)
 
     def horizon(self) -> int:
         if self._prev is None:
@@ -170,11 +176,9 @@ class InterpSchedule:
     _done: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if self.gap < 0 or self.anchor < 0 or self.chunk < self.anchor + 2:
-            raise ConfigError(
-                f"interp schedule needs gap >= 0, anchor >= 0 and chunk >= anchor + 2 "
-                f"(got chunk={self.chunk}, gap={self.gap}, anchor={self.anchor})"
-            )
+        _require(self.gap >= 0 and self.anchor >= 0 and self.chunk >= self.anchor + 2,
+                 "interp schedule needs gap >= 0, anchor >= 0 and chunk >= anchor + 2",
+                 chunk=self.chunk, gap=self.gap, anchor=self.anchor)
 
     def horizon(self) -> int:
         if self._last_n is None:
@@ -254,9 +258,9 @@ class CausalSchedule:
     _prev: ChunkPlan | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.block < 1 or not 0 <= self.context <= self.block:
-            raise ConfigError(f"causal schedule needs block >= 1 and 0 <= context <= block "
-                              f"(got block={self.block}, context={self.context})")
+        _require(self.block >= 1 and 0 <= self.context <= self.block,
+                 "causal schedule needs block >= 1 and 0 <= context <= block",
+                 block=self.block, context=self.context)
 
     def horizon(self) -> int:
         return self._published + self.block

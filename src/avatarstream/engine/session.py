@@ -89,6 +89,7 @@ class SessionState:
     anchor_added: bool = False
     store: ChunkStore = field(default_factory=ChunkStore)
     vae_cache: Any = None  # ConvCache of the streaming decoder
+    publisher: Any = None  # where its video and audio go: put_video / put_audio (a Publisher)
     audio: Any = None  # AudioContext: streaming features of the session's speech
     causal: Any = None  # CausalDenoiser (causal strategy): per-step rolling KV caches + sink
     total_frames: int | None = None  # video frames of the whole output, once the audio has ended

@@ -32,5 +32,10 @@ class AudioChunk:
     sample_rate: int
 
     @property
+    def start_seconds(self) -> float:
+        """Presentation time of the first sample (what a consumer timing audio to video needs)."""
+        return self.start_sample / self.sample_rate
+
+    @property
     def end_sample(self) -> int:
         return self.start_sample + int(self.samples.shape[0])

@@ -16,9 +16,16 @@ follow SDPA's convention: True = may attend.
    `local_window_attention` gathers each frame's (2w+1)-frame neighbourhood and runs one batched
    SDPA `[B*T, heads, P, (2w+1)P + N_ref]`, O(T * P * (2w+1) P), never an N x N mask;
    `reference_block_mask(..., window=w)` is the dense masked version for tests.
+3. Block-causal attention (Live Avatar sec. 4.1, Eq. 5): a video is a sequence of blocks of a
+   few latent frames; a block's queries see the sink (reference frames, later the Adaptive
+   Attention Sink frame, as cached K/V), the previous `history` blocks and themselves.
+   `causal_block_attention` is one block against a rolling KV cache, in one SDPA call;
+   `block_causal_mask` + `dense_attention` is the plain version over a whole sequence.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -150,3 +157,69 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:
     """Plain masked attention: q, k, v `[B, H, M, hd]`, mask `[B|1, 1, M, M]` bool or None."""
     return _sdpa(q, k, v, mask)
+
+
+def causal_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sink: tuple[torch.Tensor, torch.Tensor] | None, sink_mask: torch.Tensor | None,
+                           history: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """One block's queries over [sink K/V ; history K/V ; own K/V] in one SDPA call.
+
+    q, k, v `[B, H, Pb, hd]`; sink K/V `[B, H, Nr, hd]` each with `sink_mask` `[B, Nr]` bool
+    (None: all valid), or None; history `[B, H, Nh, hd]` each or None. Returns `[B, H, Pb, hd]`.
+    """
+    dt = q.dtype
+    ks, vs, masks = [], [], []
+    b = q.shape[0]
+    if sink is not None and sink[0].shape[2] > 0:
+        ks.append(sink[0])
+        vs.append(sink[1])
+        nr = sink[0].shape[2]
+        masks.append(sink_mask if sink_mask is not None
+                     else torch.ones(b, nr, dtype=torch.bool, device=q.device))
+    if history is not None:
+        ks.append(history[0])
+        vs.append(history[1])
+        masks.append(torch.ones(b, history[0].shape[2], dtype=torch.bool, device=q.device))
+    if not ks:
+        return _sdpa(q, k, v)
+    kk = torch.cat([x.to(dt) for x in (*ks, k)], dim=2)
+    vv = torch.cat([x.to(dt) for x in (*vs, v)], dim=2)
+    mask = None
+    if sink_mask is not None and not bool(sink_mask.all()):
+        own = torch.ones(b, k.shape[2], dtype=torch.bool, device=q.device)
+        mask = torch.cat([*masks, own], dim=1)[:, None, None, :]  # [B, 1, 1, Nr + Nh + Pb]
+    return _sdpa(q, kk, vv, mask)
+
+
+def block_causal_mask(sink_valid: Sequence[torch.Tensor], sink_of_block: Sequence[int],
+                      tokens_per_frame: int, block: int, blocks: int, history: int) -> torch.Tensor:
+    """Dense mask for one sequence [sink copy 0 ; sink copy 1 ; ... ; block 0 ; block 1 ; ...].
+
+    sink_valid[c]: `[B, R_c]` bool frames of sink copy c; block a uses copy `sink_of_block[a]`.
+    Returns `[B, 1, M, M]` bool (True = may attend):
+    - sink token -> tokens of its own frame only;
+    - generation token of block a -> valid tokens of sink copy `sink_of_block[a]`, and every
+      token of blocks a - history .. a (block-causal, sliding window of `history` blocks).
+    """
+    p = tokens_per_frame
+    b = sink_valid[0].shape[0] if sink_valid else 1
+    dev = sink_valid[0].device if sink_valid else torch.device("cpu")
+    sizes = [int(s.shape[1]) for s in sink_valid]
+    ns = sum(sizes) * p
+    ng = blocks * block * p
+    # sink frame id of every sink token and the copy it belongs to
+    frame_id = torch.arange(sum(sizes), device=dev).repeat_interleave(p)  # [Ns]
+    copy_id = torch.cat([torch.full((r * p,), c, device=dev) for c, r in enumerate(sizes)]) \
+        if sizes else torch.zeros(0, dtype=torch.long, device=dev)
+    blk = torch.arange(blocks, device=dev).repeat_interleave(block * p)  # [Ng] block of each token
+    ss = (frame_id[:, None] == frame_id[None, :])[None].expand(b, ns, ns)
+    sg = torch.zeros(b, ns, ng, dtype=torch.bool, device=dev)
+    uses = torch.as_tensor(list(sink_of_block), device=dev)[blk]  # [Ng] copy each token uses
+    valid = torch.cat([token_mask(s.to(torch.bool), p) for s in sink_valid], dim=1) if sizes \
+        else torch.zeros(b, 0, dtype=torch.bool, device=dev)
+    gs = (uses[:, None] == copy_id[None, :])[None] & valid[:, None, :]  # [B, Ng, Ns]
+    d = blk[:, None] - blk[None, :]
+    gg = ((d >= 0) & (d <= history))[None].expand(b, ng, ng)
+    top = torch.cat([ss, sg], dim=2)
+    bottom = torch.cat([gs, gg], dim=2)
+    return torch.cat([top, bottom], dim=1)[:, None]  # [B, 1, M, M]

@@ -1,6 +1,6 @@
 """Identity-aware super-resolution refiner (Avatar V sec. 2.4, 4.6).
 
-Same blocks as the VideoRef DiT (`models/dit.py`), with
+The VideoRef DiT's transformer (`models/transformer.py`), with
 - input = channel concat of the noisy HR latent and the x2 bilinear-upsampled LR latent
   (`[B, 2C, T, 2h, 2w]`), output = HR velocity `[B, C, T, 2h, 2w]`;
 - generation self-attention restricted to latent frames within +-window (sparse temporal
@@ -21,25 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from avatarstream.cache.reference import ReferenceCache
-from avatarstream.models.dit import DiTCondition, RefTransformer
+from avatarstream.models.transformer import DiTCondition, RefTransformer, TransformerConfig
 
 
-@dataclass
-class RefinerConfig:
-    in_channels: int = 16
-    dim: int = 256
-    depth: int = 4
-    heads: int = 4
-    ffn_dim: int = 1024
-    window: int = 1
-    patch: tuple[int, int, int] = (1, 2, 2)
-    audio_dim: int = 128
-    audio_tokens: int = 6
-    text_dim: int = 128
-    motion_dim: int = 16
-    freq_dim: int = 256
-    eps: float = 1e-6
-    rope_theta: float = 10000.0
+@dataclass(kw_only=True)
+class RefinerConfig(TransformerConfig):
+    window: int = 1  # generation frames attend to latent frames within +-window
 
     @classmethod
     def tiny(cls) -> "RefinerConfig":
@@ -53,10 +40,6 @@ class RefinerConfig:
         frame), 4 layers of width 192 (3 heads of 64), FFN 768, window 1: 3.6M parameters."""
         return cls(in_channels=16, dim=192, depth=4, heads=3, ffn_dim=768, window=1,
                    audio_dim=128, audio_tokens=6, text_dim=128, motion_dim=16)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
 
 
 def upsample2x(lat: torch.Tensor) -> torch.Tensor:
@@ -89,19 +72,19 @@ class SRRefiner(RefTransformer):
     def _ref_input(self, lat: torch.Tensor) -> torch.Tensor:
         return torch.cat([lat, downup(lat)], dim=1)
 
-    def forward(self, x_noisy: torch.Tensor, lr_up: torch.Tensor, sigma, cond: DiTCondition,  # type: ignore[no-untyped-def]
-                ref: ReferenceCache | None) -> torch.Tensor:
+    def forward(self, x_noisy: torch.Tensor, lr_up: torch.Tensor, sigma: torch.Tensor | float,
+                cond: DiTCondition, ref: ReferenceCache | None) -> torch.Tensor:
         """sigma: `[B, T]`, `[B]` or a float. Returns the velocity `[B, C, T, H, W]`."""
-        vel, _ = self._run(torch.cat([x_noisy, lr_up.to(x_noisy.dtype)], dim=1), sigma, cond, ref)
-        return vel
+        x = torch.cat([x_noisy, lr_up.to(x_noisy.dtype)], dim=1)  # [B, 2C, T, H, W]
+        return self.forward_sparse(x, sigma, cond, ref).velocity
 
-    def forward_dense(self, x_noisy: torch.Tensor, lr_up: torch.Tensor, sigma,  # type: ignore[no-untyped-def]
-                      cond: DiTCondition, ref_latents: torch.Tensor, valid: torch.Tensor | None,
+    def forward_dense(self, x_noisy: torch.Tensor,  # type: ignore[override]
+                      lr_up: torch.Tensor, sigma: torch.Tensor | float, cond: DiTCondition,
+                      ref_latents: torch.Tensor, valid: torch.Tensor | None,
                       ref_t_pos: torch.Tensor) -> torch.Tensor:
         """Plain version: one sequence [ref ; gen] with the explicit window + reference mask."""
-        vel, _ = self._run_dense(torch.cat([x_noisy, lr_up.to(x_noisy.dtype)], dim=1), sigma, cond,
-                                 ref_latents, valid, ref_t_pos)
-        return vel
+        x = torch.cat([x_noisy, lr_up.to(x_noisy.dtype)], dim=1)  # [B, 2C, T, H, W]
+        return super().forward_dense(x, sigma, cond, ref_latents, valid, ref_t_pos).velocity
 
     def refine(self, lr: torch.Tensor, noise: torch.Tensor, cond: DiTCondition,
                ref: ReferenceCache | None, sigma: float = 0.6) -> torch.Tensor:

@@ -31,10 +31,12 @@ class TextConfig:
 
     @classmethod
     def tiny(cls) -> "TextConfig":
-        return cls(dim=16, max_len=16, heads=2)
+        """Test size: 2 layers of width 16, 2 heads, prompts cut at 15 bytes."""
+        return cls(dim=16, max_len=16, layers=2, heads=2)
 
     @classmethod
     def small(cls) -> "TextConfig":
+        """Bundled size: 2 layers of width 128 (the DiT's `text_dim`), 4 heads, 31 bytes."""
         return cls(dim=128, max_len=32, heads=4)
 
 

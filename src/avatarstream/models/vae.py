@@ -42,6 +42,10 @@ Parameter names follow the diffusers/Wan VAE layout where it costs nothing: `enc
 `encoder.down_blocks.{i}.downsampler.{resample,time_conv}`, `encoder.mid_block.{resnets,attentions}`,
 `encoder.head.{norm,conv}`, `quant_conv`, `post_quant_conv`, `decoder.conv_in`, `decoder.mid_block`,
 `decoder.up_blocks.{i}.{resnets,upsampler}`, `decoder.head`.
+
+The layers live in `models/vae_blocks.py`. This module is what inference needs (plus
+`init_random_`, the registry's random weights); the training-only surgery — the average-pooling
+init of a fresh VAE and folding latent statistics into it — is `train/vae_init.py`.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from avatarstream.cache.conv import ConvCache
+from avatarstream.models.vae_blocks import (CausalConv3d, Downsample, Head, MidBlock, ResnetLevel,
+                                           Upsample, channel_mean, per_frame)
 
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 
@@ -81,7 +87,7 @@ class VAEConfig:
     # parameter-free residual shortcuts around every resampler and the latent bottleneck
     # (space/time folded into channels and averaged down; channels duplicated and unfolded up),
     # as in DC-AE and the Wan 2.2 VAE: the convolutions learn a residual over a path that
-    # already carries the low frequencies (see `_fold_down` and `Upsample`)
+    # already carries the low frequencies (see `vae_blocks.fold_down` and `Upsample`)
     shortcuts: bool = False
 
     def __post_init__(self) -> None:
@@ -113,7 +119,7 @@ class VAEConfig:
         one resnet per level except the 1/2 level (res_blocks (0, 1, 1)).
 
         Decode cost at 256×256 (latent 32×32): ≈ 1.1 GFLOP per output frame (convolution and
-        attention multiply-adds ×2, `decode_flops_per_frame`), ≈ 28 GFLOP/s at 25 fps. Measured
+        attention multiply-adds ×2, counted with forward hooks on a real decode), ≈ 28 GFLOP/s at 25 fps. Measured
         on a shared 2-core AVX512 CPU (chunks of 8 latent frames): ≈ 65 fps fp32, ≈ 115 fps under
         bf16 autocast, i.e. decoding at 25 fps takes ≈ 40 % (fp32) / ≈ 20 % (bf16) of the two
         cores. For scale: without the
@@ -124,291 +130,6 @@ class VAEConfig:
         """
         return VAEConfig(z_channels=16, channels=(16, 32, 64), res_blocks=(0, 1, 1),
                          temporal_down=(True, True), patch_size=2, shortcuts=True)
-
-
-# -- layers -----------------------------------------------------------------------------------------
-def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           stride: tuple[int, int, int], padding: tuple[int, int, int]) -> torch.Tensor:
-    """F.conv3d, forcing oneDNN for fp32 CPU inference.
-
-    PyTorch's CPU backend picks the im2col path (`slow_conv3d`) for batch-1 inputs whose
-    N·C·T·H ≤ 20480 — exactly the size of a streaming chunk — which is ≈ 10× slower here and
-    allocates a Cin·k³·T·H·W column buffer (≈ 60 MB for 16 channels, 35 frames at 32×32) that
-    would dominate a chunk's peak memory. Results agree with F.conv3d to float rounding.
-    Under autocast, with gradients, or off the CPU: plain F.conv3d.
-    """
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and not torch.is_autocast_enabled("cpu")
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return torch.mkldnn_convolution(x.contiguous(), weight, bias, padding, stride,
-                                        (1, 1, 1), 1)
-    return F.conv3d(x, weight, bias, stride, padding)
-
-
-class CausalConv3d(nn.Conv3d):
-    """Conv3d, causal in time: zero left padding of k_t - 1 frames (no right padding), symmetric
-    spatial padding. x [B, Cin, T, H, W] -> [B, Cout, T, H', W'].
-
-    With a cache, the left padding is the last k_t - 1 input frames of the previous chunk (zeros
-    before the first chunk) and the cache is updated with this chunk's last k_t - 1 input frames.
-    """
-
-    def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int, int] = 3) -> None:
-        k = (kernel,) * 3 if isinstance(kernel, int) else tuple(kernel)
-        super().__init__(cin, cout, k, padding=(0, k[1] // 2, k[2] // 2))
-        self.cache_key = ""  # set to the module name by CausalVAE
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        kt = self.kernel_size[0]
-        if kt > 1:
-            if cache is None:
-                x = F.pad(x, (0, 0, 0, 0, kt - 1, 0))
-            else:
-                prev = cache.get(self.cache_key)
-                if prev is None:
-                    b, c, _, h, w = x.shape
-                    prev = x.new_zeros(b, c, kt - 1, h, w)
-                x = torch.cat([prev.to(x.dtype), x], dim=2)
-                cache.put(self.cache_key, x[:, :, -(kt - 1):])
-        return conv3d(x, self.weight, self.bias, self.stride, self.padding)
-
-
-class RMSNorm(nn.Module):
-    """Per-position RMS norm over channels (no mixing across time or space).
-    x [B, C, T, H, W] -> same shape."""
-
-    def __init__(self, channels: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.scale = channels ** 0.5
-        self.eps = eps
-        self.gamma = nn.Parameter(torch.ones(channels))
-        self.bias = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        y = F.normalize(x, dim=1, eps=self.eps) * self.scale
-        return y * self.gamma.view(shape).to(y.dtype) + self.bias.view(shape).to(y.dtype)
-
-
-def _per_frame(fn, x: torch.Tensor) -> torch.Tensor:
-    """Apply a 2D op to every frame: x [B, C, T, H, W] -> fn([B*T, C, H, W]) -> [B, C', T, H', W']."""
-    b, c, t, h, w = x.shape
-    y = fn(x.transpose(1, 2).reshape(b * t, c, h, w))
-    return y.reshape(b, t, *y.shape[1:]).transpose(1, 2)
-
-
-class ResnetBlock(nn.Module):
-    """norm-SiLU-causal conv ×2 plus a (1×1×1 conv) shortcut. x [B, cin, T, H, W] -> [B, cout, T, H, W]."""
-
-    def __init__(self, cin: int, cout: int, eps: float) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(cin, eps)
-        self.conv1 = CausalConv3d(cin, cout, 3)
-        self.norm2 = RMSNorm(cout, eps)
-        self.conv2 = CausalConv3d(cout, cout, 3)
-        self.conv_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)), cache)
-        h = self.conv2(F.silu(self.norm2(h)), cache)
-        return h + (self.conv_shortcut(x) if self.conv_shortcut is not None else x)
-
-
-class FrameAttention(nn.Module):
-    """Single-head spatial self-attention inside each frame (never across frames).
-    x [B, C, T, H, W] -> same shape (residual)."""
-
-    def __init__(self, channels: int, eps: float) -> None:
-        super().__init__()
-        self.norm = RMSNorm(channels, eps)
-        self.to_qkv = nn.Conv2d(channels, 3 * channels, 1)
-        self.proj = nn.Conv2d(channels, channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        def attend(f: torch.Tensor) -> torch.Tensor:  # f [N, C, H, W]
-            n, c, h, w = f.shape
-            q, k, v = self.to_qkv(f).reshape(n, 3, c, h * w).transpose(2, 3).unbind(1)  # [N, HW, C]
-            o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
-            return self.proj(o.transpose(1, 2).reshape(n, c, h, w))
-
-        return x + _per_frame(attend, self.norm(x))
-
-
-class MidBlock(nn.Module):
-    """resnet, (frame attention), resnet at constant width. x [B, C, T, h, w] -> same shape."""
-
-    def __init__(self, channels: int, attention: bool, eps: float) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList([ResnetBlock(channels, channels, eps) for _ in range(2)])
-        self.attentions = nn.ModuleList([FrameAttention(channels, eps)] if attention else [])
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        x = self.resnets[0](x, cache)
-        for attn in self.attentions:
-            x = attn(x)
-        return self.resnets[1](x, cache)
-
-
-def _fold_down(x: torch.Tensor, cout: int) -> torch.Tensor:
-    """Spatial shortcut of a downsampler: x [N, C, H, W] -> pixel unshuffle ×2 -> [N, 4C, H/2, W/2]
-    -> mean over groups of 4C/cout consecutive channels -> [N, cout, H/2, W/2]."""
-    y = F.pixel_unshuffle(x, 2)
-    n, c, h, w = y.shape
-    return y.reshape(n, cout, c // cout, h, w).mean(dim=2)
-
-
-# Nearest ×2 upsampling then a 3×3 conv (padding 1), computed on the small picture: output pixel
-# (2i + a, 2j + b) sees input rows i-1, i, i (a = 0) or i, i, i+1 (a = 1), so its taps fold into a
-# 3×3 kernel over the input per phase (a, b). _PHASE[a] maps the conv's 3 kernel rows to the input
-# offsets -1, 0, +1.
-_PHASE = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0), (0.0, 0.0, 0.0)), ((0.0, 0.0, 0.0), (1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
-
-
-def subpixel_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """conv2d(nearest×2(x), weight, bias, padding=1) == pixel_shuffle(conv2d(x, W4, b4, padding=1), 2)
-    for (W4, b4) = subpixel_weights(weight, bias): weight [cout, cin, 3, 3] -> W4 [4·cout, cin, 3, 3]
-    (channel 4o + 2a + b: output channel o at phase (a, b), pixel_shuffle's order). The same sums
-    in another order (float rounding), on a quarter of the pixels, without the upsampled copy."""
-    r = torch.tensor(_PHASE, dtype=weight.dtype, device=weight.device)  # [2, 3, 3]
-    w4 = torch.einsum("aik,ockl,bjl->oabcij", r, weight, r)  # [cout, 2, 2, cin, 3, 3]
-    cout, cin = weight.shape[:2]
-    return w4.reshape(4 * cout, cin, 3, 3), None if bias is None else bias.repeat_interleave(4)
-
-
-def _channel_mean(x: torch.Tensor, cout: int) -> torch.Tensor:
-    """[B, C, ...] -> [B, cout, ...]: mean over groups of C/cout consecutive channels."""
-    return x.reshape(x.shape[0], cout, x.shape[1] // cout, *x.shape[2:]).mean(dim=2)
-
-
-class Downsample(nn.Module):
-    """Spatial stride-2 conv per frame, then (temporal) first frame alone + conv k=3, stride 2.
-
-    x [B, cin, T, H, W] -> [B, cout, T', H/2, W/2] with T' = T (spatial only), T' = 1 + (T-1)/2 for
-    the first chunk of a stream / the whole sequence (T odd), T' = T/2 for later chunks (T even).
-    The cache keeps the last input frame of the time conv.
-    """
-
-    def __init__(self, cin: int, cout: int, temporal: bool, shortcut: bool = False) -> None:
-        super().__init__()
-        self.temporal = temporal
-        self.shortcut = shortcut
-        if shortcut and (4 * cin) % cout:
-            raise ValueError(f"a downsampler shortcut needs cout | 4·cin (got {cin} -> {cout})")
-        self.resample = nn.Conv2d(cin, cout, 3, stride=2, padding=1)
-        self.time_conv = nn.Conv3d(cout, cout, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
-        self.cache_key = ""
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        cout = self.resample.out_channels
-        if self.shortcut:
-            x = _per_frame(lambda f: self.resample(f) + _fold_down(f, cout), x)
-        else:
-            x = _per_frame(self.resample, x)
-        if self.time_conv is None:
-            return x
-        prev = cache.get(self.cache_key) if cache is not None else None
-        first = prev is None
-        if first:
-            if x.shape[2] % 2 != 1:
-                raise ValueError(f"the first chunk needs an odd number of frames at this level "
-                                 f"(1+4k video frames), got {x.shape[2]}")
-            xin = x
-        else:
-            if x.shape[2] % 2 != 0:
-                raise ValueError(f"later chunks need an even number of frames at this level "
-                                 f"(4k video frames), got {x.shape[2]}")
-            xin = torch.cat([prev.to(x.dtype), x], dim=2)
-        if cache is not None:
-            cache.put(self.cache_key, x[:, :, -1:])
-        tc = self.time_conv
-        y = (conv3d(xin, tc.weight, tc.bias, tc.stride, tc.padding) if xin.shape[2] >= 3
-             else xin[:, :, :0])
-        if self.shortcut and y.shape[2]:
-            # output frame j covers the two new input frames of its window (x_{2j+1}, x_{2j+2})
-            y = y + 0.5 * (xin[:, :, 1::2][:, :, :y.shape[2]] + xin[:, :, 2::2][:, :, :y.shape[2]])
-        return torch.cat([x[:, :, :1], y], dim=2) if first else y
-
-
-class Upsample(nn.Module):
-    """(Temporal) causal conv k=3 to 2·cin channels, each frame -> 2 frames, the first frame of the
-    stream alone; then nearest ×2 + 3×3 conv per frame.
-
-    x [B, cin, T, h, w] -> [B, cout, T', 2h, 2w] with T' = T (spatial only), 1 + 2(T-1) on the first
-    chunk of a stream / the whole sequence, 2T on later chunks.
-    """
-
-    def __init__(self, cin: int, cout: int, temporal: bool, shortcut: bool = False) -> None:
-        super().__init__()
-        self.temporal = temporal
-        self.shortcut = shortcut
-        if shortcut and (4 * cout) % cin:
-            raise ValueError(f"an upsampler shortcut needs cin | 4·cout (got {cin} -> {cout})")
-        self.time_conv = CausalConv3d(cin, 2 * cin, (3, 1, 1)) if temporal else None
-        self.resample = nn.Conv2d(cin, cout, 3, padding=1)
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        if self.time_conv is not None:
-            first = cache is None or not cache.has(self.time_conv.cache_key)
-            b, c, t, h, w = x.shape
-            y = self.time_conv(x, cache)  # [B, 2C, T, h, w]
-            y = y.reshape(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
-            if self.shortcut:
-                y = y + x.repeat_interleave(2, dim=2)  # each frame's two frames start as copies
-            x = torch.cat([x[:, :, :1], y[:, :, 2:]], dim=2) if first else y
-        cout = self.resample.out_channels
-        w4, b4 = subpixel_weights(self.resample.weight, self.resample.bias)
-
-        def up(f: torch.Tensor) -> torch.Tensor:  # = resample(nearest ×2 (f)) [+ shortcut]
-            y = F.conv2d(f, w4.to(f.dtype), None if b4 is None else b4.to(f.dtype), padding=1)
-            if self.shortcut:  # channels repeated to 4·cout, unfolded to 2×2 by the shuffle below
-                y = y + f.repeat_interleave(4 * cout // f.shape[1], dim=1)
-            return F.pixel_shuffle(y, 2)
-
-        return _per_frame(up, x)
-
-
-class Head(nn.Module):
-    """norm, SiLU, causal 3×3×3 conv (+ with `skip`, a 1×1×1 conv of the un-normalised input:
-    the per-position norm keeps only each feature vector's direction, and the decoder's output
-    pixels should not have to be rebuilt from directions alone). x [B, cin, T, H, W] ->
-    [B, cout, T, H, W]."""
-
-    def __init__(self, cin: int, cout: int, eps: float, skip: bool = False) -> None:
-        super().__init__()
-        self.norm = RMSNorm(cin, eps)
-        self.conv = CausalConv3d(cin, cout, 3)
-        self.skip = CausalConv3d(cin, cout, 1) if skip else None
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        out = self.conv(F.silu(self.norm(x)), cache)
-        return out if self.skip is None else out + self.skip(x, cache)
-
-
-class DownBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, n_res: int, down: Downsample | None, eps: float) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList([ResnetBlock(cin if i == 0 else cout, cout, eps)
-                                      for i in range(n_res)])
-        self.downsampler = down
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        for r in self.resnets:
-            x = r(x, cache)
-        return self.downsampler(x, cache) if self.downsampler is not None else x
-
-
-class UpBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, n_res: int, up: Upsample | None, eps: float) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList([ResnetBlock(cin if i == 0 else cout, cout, eps)
-                                      for i in range(n_res)])
-        self.upsampler = up
-
-    def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
-        for r in self.resnets:
-            x = r(x, cache)
-        return self.upsampler(x, cache) if self.upsampler is not None else x
 
 
 class Encoder(nn.Module):
@@ -426,7 +147,7 @@ class Encoder(nn.Module):
             n_res = cfg.res_blocks[i]
             if n_res == 0 and cin != ch[i]:
                 raise ValueError("a level without resnets must keep the width of the previous one")
-            blocks.append(DownBlock(cin, ch[i], n_res, down, eps))
+            blocks.append(ResnetLevel(cin, ch[i], n_res, eps, down, "downsampler"))
             cin = ch[i]
         self.down_blocks = nn.ModuleList(blocks)
         self.mid_block = MidBlock(ch[-1], cfg.mid_attention, eps)
@@ -434,7 +155,7 @@ class Encoder(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
         if self.patch_size > 1:
-            x = _per_frame(lambda f: F.pixel_unshuffle(f, self.patch_size), x)
+            x = per_frame(lambda f: F.pixel_unshuffle(f, self.patch_size), x)
         x = self.conv_in(x, cache)
         for blk in self.down_blocks:
             x = blk(x, cache)
@@ -442,7 +163,7 @@ class Encoder(nn.Module):
         out = self.head(x, cache)
         if self.shortcuts:  # the mean starts as the channel mean of the last features
             z = out.shape[1] // 2
-            out = torch.cat([out[:, :z] + _channel_mean(x, z), out[:, z:]], dim=1)
+            out = torch.cat([out[:, :z] + channel_mean(x, z), out[:, z:]], dim=1)
         return out
 
 
@@ -463,7 +184,7 @@ class Decoder(nn.Module):
             up = Upsample(ch[lvl], ch[lvl - 1], cfg.temporal_down[lvl - 1], cfg.shortcuts) if lvl > 0 else None
             if cfg.res_blocks[lvl] == 0 and cin != ch[lvl]:
                 raise ValueError("a level without resnets must keep the width of the previous one")
-            blocks.append(UpBlock(cin, ch[lvl], cfg.res_blocks[lvl], up, eps))
+            blocks.append(ResnetLevel(cin, ch[lvl], cfg.res_blocks[lvl], eps, up, "upsampler"))
             cin = ch[lvl - 1] if lvl > 0 else ch[0]
         self.up_blocks = nn.ModuleList(blocks)
         self.head = Head(ch[0], 3 * cfg.patch_size ** 2, eps, skip=cfg.shortcuts)
@@ -477,7 +198,7 @@ class Decoder(nn.Module):
             x = blk(x, cache)
         x = self.head(x, cache)
         if self.patch_size > 1:
-            x = _per_frame(lambda f: F.pixel_shuffle(f, self.patch_size), x)
+            x = per_frame(lambda f: F.pixel_shuffle(f, self.patch_size), x)
         return x
 
 
@@ -557,33 +278,6 @@ class CausalVAE(nn.Module):
         cache.chunks += 1
         return out
 
-    @torch.no_grad()
-    def fold_latent_stats(self, mean: torch.Tensor, std: torch.Tensor) -> "CausalVAE":
-        """Make the latent space unit-scale: afterwards `encode` returns (μ − mean)/std (and the
-        log-variance of that), and `decode` expects such normalised latents, for per-channel
-        `mean`, `std` `[z]` measured on the training data's latents. Folded exactly into the two
-        1x1x1 convolutions around the latent (no new tensors, the weight format is unchanged):
-        quant_conv's mean half W, b -> W/std, (b − mean)/std, its log-variance bias − 2 log std;
-        post_quant_conv W, b -> W·diag(std), b + W·mean. Flow matching wants data at the noise's
-        scale; the raw KL-light latents are several times larger."""
-        z = self.cfg.z_channels
-        mean = mean.to(torch.float64).flatten()
-        std = std.to(torch.float64).flatten()
-        if mean.numel() != z or std.numel() != z or bool((std <= 0).any()):
-            raise ValueError(f"latent stats must be {z} means and {z} positive stds")
-        q, p = self.quant_conv, self.post_quant_conv
-        w = q.weight.double()
-        b = q.bias.double()
-        w[:z] /= std[:, None, None, None, None]
-        b[:z] = (b[:z] - mean) / std
-        b[z:] -= 2.0 * std.log()
-        q.weight.copy_(w)
-        q.bias.copy_(b)
-        w = p.weight.double()  # [out, in, 1, 1, 1]
-        p.bias.copy_(p.bias.double() + (w[:, :, 0, 0, 0] @ mean))
-        p.weight.copy_(w * std[None, :, None, None, None])
-        return self
-
     # -- helpers ---------------------------------------------------------------------------------
     def _encode(self, video: torch.Tensor,
                 cache: ConvCache | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -608,64 +302,6 @@ class CausalVAE(nn.Module):
                              f"got {tuple(z.shape)}")
 
     @torch.no_grad()
-    def init_pooling_(self, seed: int = 0) -> "CausalVAE":
-        """Training init of a VAE with `shortcuts`: random weights (`init_random_`), then every
-        residual branch's last layer scaled down and the few linear maps on the shortcut path set to
-        pass channels through, so that at step 0 the VAE *is* the parameter-free path: encode =
-        8×8 (and ×4 in time) average pooling of the RGB values into 3 of the latent channels,
-        decode = nearest-neighbour unpooling, plus small random branches (a tenth of their
-        random init) through which the detail is learned. Training then learns the detail on top of a
-        colour-correct reconstruction instead of from noise (measured on the small preset: the
-        random init starts at 1 dB crop PSNR, this one at the pooled image's)."""
-        self.init_random_(seed)
-        if not self.cfg.shortcuts:
-            raise ValueError("init_pooling_ needs a VAE with shortcuts")
-
-        def zero(*mods: nn.Module | None) -> None:
-            """Branch outputs at a tenth of their random init, not at zero: a chain of zero
-            layers passes no gradient, and the latent channels the pooled path leaves empty
-            would start dead (measured: PSNR flat for the first hundred steps)."""
-            for m in mods:
-                if m is not None:
-                    for p in m.parameters():
-                        p.mul_(0.1)
-
-        def pass_through(conv: nn.Module, tap: tuple[int, ...]) -> None:
-            """conv weight [out, in, *k] -> channel c to channel c (c < min(in, out)) at `tap`."""
-            conv.weight.zero_()
-            conv.bias.zero_()
-            n = min(conv.weight.shape[0], conv.weight.shape[1])
-            for c in range(n):
-                conv.weight[(c, c) + tap] = 1.0
-
-        for m in self.modules():
-            if isinstance(m, ResnetBlock):
-                zero(m.conv2)
-                if m.conv_shortcut is not None:
-                    pass_through(m.conv_shortcut, (0, 0, 0))
-            elif isinstance(m, FrameAttention):
-                zero(m.proj)
-            elif isinstance(m, (Downsample, Upsample)):
-                zero(m.resample, m.time_conv)
-        enc, dec = self.encoder, self.decoder
-        pass_through(enc.conv_in, (2, 1, 1))  # the current frame's pixel, causal kernel
-        zero(enc.head.conv, dec.conv_in, dec.head.conv)
-        pass_through(self.quant_conv, (0, 0, 0))
-        # a near-deterministic posterior to start with (std e^-4 ≈ 0.02 against latents of
-        # ≈ 0.2): unit noise would bury the pooled colours the latent starts with
-        self.quant_conv.bias[self.cfg.z_channels:] = -8.0
-        pass_through(self.post_quant_conv, (0, 0, 0))
-        # decoder head skip: the unpooled colour channels (R, G, B = channels 0, 1, 2 after the
-        # upsamplers' channel unfolding) to every sub-pixel of the pixel patch
-        skip = dec.head.skip
-        skip.weight.zero_()
-        skip.bias.zero_()
-        pp = self.cfg.patch_size ** 2
-        for c in range(3):
-            skip.weight[c * pp:(c + 1) * pp, c] = 1.0
-        return self
-
-    @torch.no_grad()
     def init_random_(self, seed: int = 0) -> "CausalVAE":
         """Deterministic random weights (same seed -> same weights) that keep activations O(1)
         and make every output depend on its inputs: conv/linear weights N(0, 1/fan_in) (residual
@@ -683,29 +319,3 @@ class CausalVAE(nn.Module):
                     std *= 0.5
                 p.copy_(std * torch.randn(p.shape, generator=g))
         return self
-
-
-def decode_flops_per_frame(cfg: VAEConfig, height: int, width: int, latent_frames: int = 9) -> float:
-    """FLOPs (2 × multiply-adds of convolutions and attention matmuls) per decoded video frame at
-    height×width, counted on a real decode of `latent_frames` latent frames with forward hooks."""
-    vae = CausalVAE(cfg)
-    macs = [0]
-
-    def conv_hook(m: nn.Module, inp, out) -> None:
-        k = m.weight[0].numel()  # cin/groups × kernel volume
-        macs[0] += out.numel() * k
-
-    def attn_hook(m: FrameAttention, inp, out) -> None:
-        b, c, t, h, w = inp[0].shape
-        macs[0] += 2 * b * t * (h * w) ** 2 * c
-
-    hooks = [m.register_forward_hook(conv_hook) for m in vae.modules()
-             if isinstance(m, (nn.Conv2d, nn.Conv3d))]
-    hooks += [m.register_forward_hook(attn_hook) for m in vae.modules()
-              if isinstance(m, FrameAttention)]
-    z = torch.zeros(1, cfg.z_channels, latent_frames, height // 8, width // 8)
-    with torch.no_grad():
-        frames = vae.decode(z).shape[2]
-    for h in hooks:
-        h.remove()
-    return 2.0 * macs[0] / frames

@@ -39,9 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from avatarstream.engine.causal import pack, unpack
-from avatarstream.engine.publisher import Publisher
-from avatarstream.engine.schedule import ContinuitySchedule
+from avatarstream.engine.denoiser import pack, unpack
+from avatarstream.engine.pipeline import output_stages
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
 from avatarstream.engine.stages.causal import block_noise, new_denoiser, write_block
@@ -113,17 +112,18 @@ class TPPDenoiseStage(Stage):
     reads = ("given", "audio", "sigma_noise", "motion_noise")
     writes = ()
 
-    def __init__(self, pipe: Any, rank: int, shares: list[list[int]], link: _Link) -> None:
+    def __init__(self, models: Any, config: Any, rank: int, shares: list[list[int]], link: _Link) -> None:
         super().__init__()
-        self.pipe, self.rank, self.shares, self.link = pipe, rank, shares, link
+        self.models, self.config = models, config
+        self.rank, self.shares, self.link = rank, shares, link
         self.last = rank == len(shares) - 1
         self._first: torch.Tensor | None = None  # last worker: the AAS frame, until handed over
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
-        c = self.pipe.config
+    def run_one(self, rec: ChunkRecord, state: SessionState) -> None:
+        c = self.config
         settings = c.causal_settings()
         if state.causal is None:
-            state.causal = new_denoiser(self.pipe.models.dit, state, steps=c.steps, shift=c.shift,
+            state.causal = new_denoiser(self.models.dit, state, steps=c.steps, shift=c.shift,
                                         settings=settings, sampler=c.sampler, overshoot=c.overshoot,
                                         seed=c.seed, own_steps=self.shares[self.rank])
         den = state.causal
@@ -159,7 +159,7 @@ class ReceiveBlockStage(Stage):
         super().__init__()
         self.src, self.link = src, link
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
+    def run_one(self, rec: ChunkRecord, state: SessionState) -> None:
         x, m, idx, _ = block_noise(rec)
         flat = self.link.recv(tuple(pack(x, m).shape), self.src, TAG_LATENT)
         x, m = unpack(flat, x.shape, m.shape)
@@ -177,7 +177,7 @@ class SendRefinedStage(Stage):
         super().__init__()
         self.dst, self.link = dst, link
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
+    def run_one(self, rec: ChunkRecord, state: SessionState) -> None:
         for cid in rec.plan.publish:
             self.link.send(state.store.take_emitted(cid), self.dst, TAG_LATENT)
 
@@ -193,7 +193,7 @@ class ReceiveRefinedStage(Stage):
         super().__init__()
         self.src, self.link = src, link
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
+    def run_one(self, rec: ChunkRecord, state: SessionState) -> None:
         b, c, _, h, w = rec.sigma_noise.shape
         e = rec.plan.emit[1] - rec.plan.emit[0]
         for cid in rec.plan.publish:
@@ -204,21 +204,22 @@ class ReceiveRefinedStage(Stage):
 
 @dataclass
 class DenoiseWorker:
-    """Stage builder of denoise rank `rank`: context (noise, audio tokens) and its steps."""
+    """Stage builder of denoise rank `rank`: its steps (the chunk loop runs the context: noise,
+    audio tokens)."""
 
     rank: int
     shares: list[list[int]]
     device: str = "cpu"
 
-    def __call__(self, pipe: Any, schedule: ContinuitySchedule, publisher: Publisher) -> list[Stage]:
-        _check_causal(schedule)
+    def __call__(self, models: Any, config: Any) -> list[Stage]:
+        _check_causal(config)
         link = _Link(self.rank, torch.device(self.device))
-        return [pipe.context_stage(), TPPDenoiseStage(pipe, self.rank, self.shares, link)]
+        return [TPPDenoiseStage(models, config, self.rank, self.shares, link)]
 
 
 @dataclass
 class DecodeWorker:
-    """Stage builder of the decode rank: context, receive, SR, decode and publish; with
+    """Stage builder of the decode rank: receive, SR, decode and publish; with
     `split_decode` the refine rank (receive, SR, send) and the decode rank (receive, decode,
     publish) instead."""
 
@@ -226,20 +227,20 @@ class DecodeWorker:
     role: str = "decode"  # "decode" (SR + decode) | "refine" (SR only) | "publish" (decode only)
     device: str = "cpu"
 
-    def __call__(self, pipe: Any, schedule: ContinuitySchedule, publisher: Publisher) -> list[Stage]:
-        _check_causal(schedule)
+    def __call__(self, models: Any, config: Any) -> list[Stage]:
+        _check_causal(config)
         n = self.workers
         link = _Link(n + (self.role == "publish"), torch.device(self.device))
+        out = output_stages(models, config)  # SR, decode + publish
         if self.role == "publish":
-            return [pipe.context_stage(), ReceiveRefinedStage(n, link), pipe.output_stages(schedule, publisher)[-1]]
-        stages = [pipe.context_stage(), ReceiveBlockStage(n - 1, link)]
+            return [ReceiveRefinedStage(n, link), out[-1]]
         if self.role == "refine":
-            return [*stages, pipe.output_stages(schedule, publisher)[0], SendRefinedStage(n + 1, link)]
-        return [*stages, *pipe.output_stages(schedule, publisher)]
+            return [ReceiveBlockStage(n - 1, link), out[0], SendRefinedStage(n + 1, link)]
+        return [ReceiveBlockStage(n - 1, link), *out]
 
 
-def _check_causal(schedule: Any) -> None:
-    if getattr(schedule, "name", None) != "causal":
+def _check_causal(config: Any) -> None:
+    if config.strategy != "causal":
         raise ConfigError("--workers runs the causal strategy only (timestep forcing needs its "
                           "per-step KV caches); add --strategy causal")
 

@@ -33,18 +33,14 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from fractions import Fraction
 from pathlib import Path
 
 import av
-import numpy as np
 
 from avatarstream.errors import OutputError
-from avatarstream.media.frames import AudioChunk, VideoChunk
+from avatarstream.publish.encoder import AVEncoder, EncodingSink
 
 log = logging.getLogger(__name__)
-
-_AAC_FRAME = 1024  # samples per AAC frame (the encoder's frame_size)
 
 
 def check_writable(path: str | Path) -> None:
@@ -59,98 +55,6 @@ def check_writable(path: str | Path) -> None:
         raise OutputError(f"cannot write the output {p}: the folder {parent} is not writable")
     if p.exists() and not os.access(p, os.W_OK):
         raise OutputError(f"cannot write the output {p}: the file exists and is not writable")
-
-
-class AVEncoder:
-    """H.264 (libx264, yuv420p) + AAC encoders muxing into one PyAV output container.
-
-    Shared by the file and HLS sinks. Video frames get pts from their timeline index and the first
-    frame of every chunk is forced to be an IDR keyframe (a fragment/segment boundary); audio is
-    re-framed to whole AAC frames with pts from the timeline sample index.
-    """
-
-    def __init__(self, container: av.container.OutputContainer, width: int, height: int, fps: int,
-                 sample_rate: int, *, crf: int = 20, preset: str = "veryfast",
-                 keyint: int | None = None) -> None:
-        if width % 2 or height % 2:
-            raise ValueError(f"H.264 yuv420p needs even frame sizes, got {width}x{height}")
-        self.container = container
-        self.fps = int(fps)
-        self.sample_rate = int(sample_rate)
-        self.video = container.add_stream("libx264", rate=self.fps)
-        self.video.width, self.video.height = width, height
-        self.video.pix_fmt = "yuv420p"
-        self.video.time_base = Fraction(1, self.fps)
-        self.video.codec_context.time_base = Fraction(1, self.fps)
-        self.video.options = {"crf": str(crf), "preset": preset, "tune": "zerolatency",
-                              "forced-idr": "1", "keyint": str(keyint or 2 * self.fps)}
-        self.audio = container.add_stream("aac", rate=self.sample_rate)
-        self.audio.layout = "mono"
-        self.audio.time_base = Fraction(1, self.sample_rate)
-        self._v_tb = Fraction(1, self.fps)
-        self._a_tb = Fraction(1, self.sample_rate)
-        self.next_frame = 0  # timeline index of the next video frame expected
-        self.frames_encoded = 0
-        self._pending = np.zeros(0, np.float32)  # audio not yet encoded; first = timeline sample _a_next
-        self._a_next = 0
-
-    # -- video -------------------------------------------------------------------------------
-    def add_video(self, chunk: VideoChunk) -> None:
-        """Encode and mux a chunk [N, H, W, 3] uint8; frames before `next_frame` are dropped."""
-        if chunk.fps != self.fps:
-            raise ValueError(f"video chunk at {chunk.fps} fps, the sink was opened at {self.fps}")
-        skip = max(0, self.next_frame - chunk.start_frame)
-        frames = chunk.frames[skip:]
-        for i, rgb in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-            frame.pts = chunk.start_frame + skip + i
-            frame.time_base = self._v_tb
-            if i == 0:
-                frame.pict_type = av.video.frame.PictureType.I  # fragment boundary at chunk start
-            self.container.mux(self.video.encode(frame))
-        if len(frames):
-            self.next_frame = chunk.start_frame + skip + len(frames)
-            self.frames_encoded += len(frames)
-
-    # -- audio -------------------------------------------------------------------------------
-    def add_audio(self, chunk: AudioChunk) -> None:
-        """Queue mono float32 samples at the timeline position `start_sample` and encode whole frames.
-
-        A gap before the chunk is filled with silence, samples already written are dropped.
-        """
-        if chunk.sample_rate != self.sample_rate:
-            raise ValueError(f"audio chunk at {chunk.sample_rate} Hz, the sink was opened at "
-                             f"{self.sample_rate} Hz")
-        expected = self._a_next + len(self._pending)
-        x = np.asarray(chunk.samples, np.float32).reshape(-1)
-        if chunk.start_sample > expected:
-            x = np.concatenate([np.zeros(chunk.start_sample - expected, np.float32), x])
-        elif chunk.start_sample < expected:
-            x = x[expected - chunk.start_sample:]
-        if not len(x):
-            return
-        self._pending = np.concatenate([self._pending, x])
-        while len(self._pending) >= _AAC_FRAME:
-            self._encode_audio(self._pending[:_AAC_FRAME])
-            self._pending = self._pending[_AAC_FRAME:]
-
-    def _encode_audio(self, samples: np.ndarray) -> None:
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[None]), format="fltp",
-                                           layout="mono")  # [1, n] planar
-        frame.sample_rate = self.sample_rate
-        frame.pts = self._a_next
-        frame.time_base = self._a_tb
-        self._a_next += len(samples)
-        self.container.mux(self.audio.encode(frame))
-
-    # -- end ---------------------------------------------------------------------------------
-    def finish(self) -> None:
-        """Encode the last partial audio frame and drain both encoders into the muxer."""
-        if len(self._pending):
-            self._encode_audio(self._pending)  # AAC accepts a short last frame
-            self._pending = np.zeros(0, np.float32)
-        self.container.mux(self.video.encode(None))
-        self.container.mux(self.audio.encode(None))
 
 
 class FragmentFile:
@@ -268,7 +172,7 @@ def _children(data: bytes, start: int, end: int):  # type: ignore[no-untyped-def
         pos += size
 
 
-class FragmentedMP4Sink:
+class FragmentedMP4Sink(EncodingSink):
     """Publish to a fragmented MP4 file at its final path, playable while it is being written.
 
     `durable_frames` is the number of video frames a reader of the file can already decode; they
@@ -294,54 +198,29 @@ class FragmentedMP4Sink:
         try:
             self._file = FragmentFile(self.path, fsync=self.fsync)
         except OSError as e:
-            raise OutputError(f"cannot write the output {self.path}: {e.strerror or e}") from e
+            raise OutputError(f"cannot write {self._output}: {e.strerror or e}") from e
         self._container = av.open(self._file, "w", format="mp4",
                                   container_options={"movflags": self.MOVFLAGS})
         self._enc = AVEncoder(self._container, width, height, fps, sample_rate, crf=self.crf,
                               preset=self.preset)
 
-    def _encoder(self) -> AVEncoder:
-        if self._enc is None:
-            raise RuntimeError("FragmentedMP4Sink.open() must be called before writing")
-        return self._enc
-
-    def write_video(self, chunk: VideoChunk) -> None:
-        """Encode a chunk (its first frame an IDR: the previous chunk's fragment goes to disk)."""
-        try:
-            self._encoder().add_video(chunk)
-        except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot write the output {self.path}: {e}") from e
-        self._update_durable()
-
-    def write_audio(self, chunk: AudioChunk) -> None:
-        """Encode the session's input audio at its timeline position."""
-        try:
-            self._encoder().add_audio(chunk)
-        except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot write the output {self.path}: {e}") from e
-        self._update_durable()
+    @property
+    def _output(self) -> str:
+        return f"the output {self.path}"
 
     def _update_durable(self) -> None:
         if self._file is not None:
             self.durable_frames = self._file.durable_samples
 
-    def close(self) -> None:
-        """Drain the encoders, write the last fragment and the index, close the file."""
-        if self._container is None:
-            return
-        try:
-            try:
-                if self._enc is not None:
-                    self._enc.finish()
-            finally:
-                self._container.close()
-                assert self._file is not None
-                self._file.close()
-        except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot finish the output {self.path}: {e}") from e
-        finally:
-            self._update_durable()
-            self._container = self._enc = self._file = None
+    def _close_output(self) -> None:
+        """The muxer writes the last fragment and the index; then the file is closed."""
+        super()._close_output()
+        assert self._file is not None
+        self._file.close()
+
+    def _forget(self) -> None:
+        super()._forget()
+        self._file = None
 
     def abort(self) -> None:
         """Stop without finishing and delete the file (the run produced nothing worth keeping)."""

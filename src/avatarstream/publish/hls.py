@@ -18,8 +18,7 @@ from pathlib import Path
 import av
 
 from avatarstream.errors import OutputError
-from avatarstream.media.frames import AudioChunk, VideoChunk
-from avatarstream.publish.file import AVEncoder
+from avatarstream.publish.encoder import AVEncoder, EncodingSink
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ PLAYLIST = "index.m3u8"
 _EXTINF = re.compile(r"^#EXTINF:([0-9.]+)", re.MULTILINE)
 
 
-class HLSSink:
+class HLSSink(EncodingSink):
     """Publish H.264 + AAC as live HLS into `directory` (created if missing).
 
     `durable_frames` is the number of video frames in the segments the playlist lists (what a
@@ -60,7 +59,7 @@ class HLSSink:
             self._container = av.open(str(self.playlist), "w", format="hls",
                                       container_options=self._muxer_options())
         except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot write the HLS output in {self.dir}: {e}") from e
+            raise OutputError(f"cannot write {self._output}: {e}") from e
         self._fps = fps
         self._enc = AVEncoder(self._container, width, height, fps, sample_rate, crf=self.crf,
                               preset=self.preset,
@@ -72,25 +71,9 @@ class HLSSink:
                 "hls_segment_filename": str(self.dir / "segment_%05d.ts"),
                 "hls_flags": "independent_segments+temp_file"}
 
-    def _encoder(self) -> AVEncoder:
-        if self._enc is None:
-            raise RuntimeError("HLSSink.open() must be called before writing")
-        return self._enc
-
-    def write_video(self, chunk: VideoChunk) -> None:
-        """Encode a chunk; a segment is cut at its first frame once `segment_seconds` passed."""
-        try:
-            self._encoder().add_video(chunk)
-        except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot write the HLS output in {self.dir}: {e}") from e
-        self._update_durable()
-
-    def write_audio(self, chunk: AudioChunk) -> None:
-        """Encode the session's input audio at its timeline position."""
-        try:
-            self._encoder().add_audio(chunk)
-        except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot write the HLS output in {self.dir}: {e}") from e
+    @property
+    def _output(self) -> str:
+        return f"the HLS output in {self.dir}"
 
     def listed_seconds(self) -> float:
         """Total duration of the segments the playlist lists now (0 before the first)."""
@@ -102,22 +85,6 @@ class HLSSink:
 
     def _update_durable(self) -> None:
         self.durable_frames = round(self.listed_seconds() * self._fps)
-
-    def close(self) -> None:
-        """Drain the encoders, write the last segment and end the playlist."""
-        if self._container is None:
-            return
-        try:
-            try:
-                if self._enc is not None:
-                    self._enc.finish()
-            finally:
-                self._container.close()
-        except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot finish the HLS output in {self.dir}: {e}") from e
-        finally:
-            self._update_durable()
-            self._container = self._enc = None
 
     def abort(self) -> None:
         """Stop and remove the playlist and segments (and the folder if this sink made it)."""

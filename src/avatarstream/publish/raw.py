@@ -50,8 +50,7 @@ class RawFrameSink:
     def write_audio(self, chunk: AudioChunk) -> None:
         """Queue the chunk with the time of its first sample (dropped unless with_audio)."""
         if self._audio is not None:
-            self._audio.put((chunk.start_sample / chunk.sample_rate,
-                             np.asarray(chunk.samples, np.float32)))
+            self._audio.put((chunk.start_seconds, np.asarray(chunk.samples, np.float32)))
 
     def frames(self) -> Iterator[tuple[float, np.ndarray]]:
         """(pts_seconds, [H, W, 3] uint8) in timeline order until the sink is closed."""

@@ -10,7 +10,7 @@ sigma_next (floats), x (state after the step), denoised (x0̂ predicted at this 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,17 @@ Callback = Callable[[dict[str, Any]], None]
 def _check(sigmas: torch.Tensor) -> None:
     if sigmas.dim() != 1 or sigmas.numel() < 2:
         raise ValueError(f"sigmas must be 1-D with >= 2 values, got shape {tuple(sigmas.shape)}")
+
+
+def _noise(x: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """N(0, I) shaped like x, from one generator or one per row of x."""
+    if generator is None or isinstance(generator, torch.Generator):
+        dev = generator.device if generator is not None else x.device
+        return torch.randn(x.shape, generator=generator, device=dev, dtype=x.dtype).to(x.device)
+    if len(generator) != x.shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {x.shape[0]}")
+    return torch.cat([torch.randn((1, *x.shape[1:]), generator=g, device=g.device, dtype=x.dtype)
+                      for g in generator]).to(x.device)
 
 
 def sample_euler(denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, *,
@@ -44,7 +55,8 @@ def sample_euler(denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, *,
 
 
 def sample_stochastic_euler(denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, *,
-                            overshoot: float = 0.2, generator: torch.Generator | None = None,
+                            overshoot: float = 0.2,
+                            generator: torch.Generator | Sequence[torch.Generator] | None = None,
                             callback: Callback | None = None) -> torch.Tensor:
     """Stochastic Euler ("overshoot" sampler): an ODE step past the target, then fresh noise back.
 
@@ -68,7 +80,8 @@ def sample_stochastic_euler(denoise: Denoise, x: torch.Tensor, sigmas: torch.Ten
       x ← (1 − σ_next)·x0̂ + σ_next·z — use that only with a distilled (x0-exact) generator.
 
     x [B, ...] at σ = sigmas[0]; sigmas [S + 1]; `generator` seeds the fresh noise (drawn on the
-    generator's device, then moved to x's). Returns x at sigmas[-1].
+    generator's device, then moved to x's): one for the batch, or one per row (a batch of
+    independent streams draws, row by row, what each would draw alone). Returns x at sigmas[-1].
     """
     _check(sigmas)
     if overshoot < 0:
@@ -83,8 +96,7 @@ def sample_stochastic_euler(denoise: Denoise, x: torch.Tensor, sigmas: torch.Ten
         if s_next > 0.0 and s_o < s_next:
             a = (1.0 - s_next) / (1.0 - s_o)
             std = max(s_next**2 - (a * s_o) ** 2, 0.0) ** 0.5
-            dev = generator.device if generator is not None else x.device
-            z = torch.randn(x.shape, generator=generator, device=dev, dtype=x.dtype).to(x.device)
+            z = _noise(x, generator)
             x = a * x_o + std * z
         else:
             x = x_o

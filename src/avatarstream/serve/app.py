@@ -32,15 +32,16 @@ from pathlib import Path
 
 from aiohttp import web
 
-from avatarstream.engine.pipeline import ModelSet, PipelineConfig
+from avatarstream.engine.config import ModelSet, PipelineConfig
 from avatarstream.errors import AvatarStreamError
 from avatarstream.serve.avatars import AvatarStore, UnsupportedUploadError, UploadLimits
 from avatarstream.serve.openapi import openapi_schema
-from avatarstream.serve.renders import RenderManager
-from avatarstream.serve.scheduler import Capacity, ChunkScheduler
-from avatarstream.serve.session import LiveSessionConfig
+from avatarstream.live.renders import RenderManager
+from avatarstream.live.capacity import Capacity
+from avatarstream.live.scheduler import ChunkScheduler
+from avatarstream.live.session import LiveSessionConfig
 from avatarstream.serve.sessions import SessionManager
-from avatarstream.serve.tts import TextToSpeech
+from avatarstream.media.tts import TextToSpeech
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ async def get_avatar(request: web.Request) -> web.Response:
 
 
 async def get_voices(request: web.Request) -> web.Response:
-    from avatarstream.serve.tts import DEFAULT_VOICE
+    from avatarstream.media.tts import DEFAULT_VOICE
 
     return web.json_response({"default": DEFAULT_VOICE, "voices": request.app[TTS].voices()})
 
@@ -206,9 +207,9 @@ def _measure(models: ModelSet, config: ServerConfig, sched: ChunkScheduler,
     """Capacity and playout delay from the model's measured chunk time on this machine."""
     import torch
 
-    from avatarstream.bench.inputs import face_image
-    from avatarstream.serve.prepared import prepare_reference
-    from avatarstream.serve.scheduler import calibrate, measure_steps
+    from avatarstream.media.synthetic import face_image
+    from avatarstream.live.prepared import prepare_reference
+    from avatarstream.live.capacity import calibrate, measure_steps
 
     c = models.config
     frames = torch.from_numpy(face_image(c.hr_size)).permute(2, 0, 1).unsqueeze(0)
@@ -229,10 +230,11 @@ def playout_delay(models: ModelSet, step_s: float, lead_s: float) -> float:
     the first chunk's audio (plus the audio look-ahead) arriving, plus 1.5 chunk times, minus
     the lead the timeline already has over the wall clock."""
     from avatarstream.engine.pipeline import Pipeline
+    from avatarstream.engine.loop import make_config_schedule
 
     c = models.config
     pipe = Pipeline(models)
-    horizon = pipe._schedule().horizon()  # latents the first chunk needs
+    horizon = make_config_schedule(pipe.config).horizon()  # latents the first chunk needs
     frames = pipe.clock.video_span(horizon - 1)[1] + 2  # + audio look-ahead and window
     return round(max(0.1, frames / c.fps + 1.5 * step_s - lead_s), 3)
 

@@ -3,7 +3,7 @@
 Metadata lives in SQLite (`avatars.sqlite` in the data folder); the reference frames (decoded,
 cropped and resized to the model's resolution: [F, 3, H, W] uint8) in a safetensors file named by
 the avatar's id, and, per model, the encoded reference (VAE latents -> DiT and refiner K/V
-caches: serve/prepared.py) in `{id}.{model}.ref.safetensors`. The encoding runs once, at upload
+caches: live/prepared.py) in `{id}.{model}.ref.safetensors`. The encoding runs once, at upload
 for the server's model (so a reference with nothing usable is refused right there) or at the
 first session of another model, and is then loaded by every session, across restarts. Ids are
 generated here (random hex), never taken from a client as a path. An avatar belongs to the API key that created it: a lookup with another key finds
@@ -25,10 +25,10 @@ import av
 import torch
 from safetensors.torch import load_file, save_file
 
-from avatarstream.engine.pipeline import ModelSet
+from avatarstream.engine.config import ModelSet
 from avatarstream.errors import InputError
 from avatarstream.media.reference import load_reference
-from avatarstream.serve.prepared import (PreparedReference, load_prepared, prepare_reference,
+from avatarstream.live.prepared import (PreparedReference, load_prepared, prepare_reference,
                                          save_prepared)
 
 _ID = re.compile(r"^[0-9a-f]{24}$")
@@ -66,6 +66,17 @@ class Avatar:
                 "is_image": self.is_image, "content_type": self.content_type}
 
 
+def upload_type(content_type: str, accepted: dict[str, str], what: str) -> str:
+    """The media type of an upload's Content-Type header (parameters such as `; codecs=` dropped,
+    lower case), which must be a key of `accepted`; else UnsupportedUploadError naming the types
+    that are, so the client can resend with one of them."""
+    ctype = content_type.split(";")[0].strip().lower()
+    if ctype not in accepted:
+        raise UnsupportedUploadError(f"unsupported {what} type {content_type!r}; send one of "
+                                     f"{', '.join(sorted(accepted))} as the Content-Type")
+    return ctype
+
+
 def key_fingerprint(api_key: str) -> str:
     """What the store keeps of an API key (never the key itself)."""
     return hashlib.sha256(api_key.encode()).hexdigest()
@@ -94,10 +105,7 @@ class AvatarStore:
 
     def create(self, api_key: str, data: bytes, content_type: str) -> Avatar:
         """Check the upload, prepare the reference frames once, store them; raises InputError."""
-        ctype = content_type.split(";")[0].strip().lower()
-        if ctype not in UPLOAD_TYPES:
-            raise UnsupportedUploadError(f"unsupported upload type {content_type!r}; send one of "
-                             f"{', '.join(sorted(UPLOAD_TYPES))} as the Content-Type")
+        ctype = upload_type(content_type, UPLOAD_TYPES, "upload")
         if not data:
             raise InputError("the upload is empty; send the reference image or video as the body")
         if len(data) > self.limits.max_bytes:

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from avatarstream.registry import load_model, resolve_model
     from avatarstream.serve.app import ServerConfig, make_app
     from avatarstream.serve.avatars import UploadLimits
-    from avatarstream.serve.session import LiveSessionConfig
+    from avatarstream.live.session import LiveSessionConfig
     from avatarstream.serve.webrtc import is_loopback_host, use_host_addresses
 
     model = resolve_model(args.model)

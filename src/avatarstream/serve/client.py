@@ -141,7 +141,7 @@ async def _speak(ws: Any, rec: Received, marks: dict, text: str | None, voice: s
             await ws.send_json({"type": "clear_buffer"})
         return
     from avatarstream.media.audio import read_all
-    from avatarstream.serve.session import LiveSessionConfig
+    from avatarstream.live.session import LiveSessionConfig
 
     silence_rms = LiveSessionConfig.silence_rms  # what the server counts as a pause
 

@@ -14,28 +14,31 @@ import json
 import re
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from aiohttp import web
 
 from avatarstream.errors import AvatarStreamError, InputError
-from avatarstream.serve.app import AVATARS, MODELS, RENDERS, SCHEDULER, TTS, api_key, error, read_body
-from avatarstream.serve.avatars import key_fingerprint
+from avatarstream.serve.app import AVATARS, MODELS, RENDERS, SCHEDULER, TTS, error, read_body
+from avatarstream.serve.avatars import UnsupportedUploadError, key_fingerprint, upload_type
+from avatarstream.serve.guards import caller_key, resolved
+
+if TYPE_CHECKING:
+    from avatarstream.live.renders import RenderJob
 
 _ID = re.compile(r"^[0-9a-f]{24}$")
 AUDIO_TYPES = {"audio/wav": ".wav", "audio/x-wav": ".wav", "audio/wave": ".wav",
                "audio/mpeg": ".mp3", "audio/flac": ".flac", "audio/ogg": ".ogg",
                "audio/mp4": ".m4a", "audio/x-m4a": ".m4a", "audio/webm": ".webm"}
+ROUTES = web.RouteTableDef()  # each handler's method and path stand above it
 
 
 def decode_audio(data: bytes, content_type: str, max_seconds: float) -> np.ndarray:
     """Speech bytes of any format PyAV reads -> float32 mono 16 kHz; InputError when unusable."""
     from avatarstream.media.audio import AudioReader
 
-    ctype = content_type.split(";")[0].strip().lower()
-    if ctype not in AUDIO_TYPES:
-        raise InputError(f"unsupported audio type {content_type!r}; send one of "
-                         f"{', '.join(sorted(AUDIO_TYPES))} as the Content-Type")
+    ctype = upload_type(content_type, AUDIO_TYPES, "audio")
     if not data:
         raise InputError("the audio is empty")
     with tempfile.TemporaryDirectory(prefix="avatarstream-upload-") as d:
@@ -53,10 +56,9 @@ def decode_audio(data: bytes, content_type: str, max_seconds: float) -> np.ndarr
     return x
 
 
-async def post_render(request: web.Request) -> web.Response:
-    key = api_key(request)
-    if key is None:
-        return error(401, "send `Authorization: Bearer KEY`")
+@ROUTES.post("/v1/renders")
+@resolved(caller_key)
+async def post_render(request: web.Request, key: str) -> web.Response:
     renders = request.app[RENDERS]
     ctype = request.headers.get("Content-Type", "")
     data = await read_body(request, request.app[AVATARS].limits.max_bytes)
@@ -88,45 +90,42 @@ async def post_render(request: web.Request) -> web.Response:
         prepared = await asyncio.to_thread(store.prepared, avatar, request.app[MODELS])
         job = await asyncio.to_thread(renders.create, key_fingerprint(key), prepared, audio)
     except AvatarStreamError as e:
-        return error(415 if "unsupported audio type" in str(e) else 400, str(e))
+        return error(415 if isinstance(e, UnsupportedUploadError) else 400, str(e))
     request.app[SCHEDULER].add_job(job)
     return web.json_response(job.as_dict(), status=202)
 
 
-def _job(request: web.Request):  # type: ignore[no-untyped-def]
-    key = api_key(request)
-    if key is None:
-        return error(401, "send `Authorization: Bearer KEY`")
+async def _job(request: web.Request) -> RenderJob | web.Response:
+    """The caller's render named in the path, or the 401/404 refusing it."""
+    key = await caller_key(request)
+    if isinstance(key, web.Response):
+        return key
     job_id = request.match_info["id"]
     job = request.app[RENDERS].get(key_fingerprint(key), job_id) if _ID.match(job_id) else None
     return job if job is not None else error(404, "no such render")
 
 
-async def get_render(request: web.Request) -> web.Response:
-    job = _job(request)
-    return job if isinstance(job, web.Response) else web.json_response(job.as_dict())
+@ROUTES.get("/v1/renders/{id}")
+@resolved(_job)
+async def get_render(request: web.Request, job: RenderJob) -> web.Response:
+    return web.json_response(job.as_dict())
 
 
-async def get_render_output(request: web.Request) -> web.StreamResponse:
-    job = _job(request)
-    if isinstance(job, web.Response):
-        return job
+@ROUTES.get("/v1/renders/{id}/output")
+@resolved(_job)
+async def get_render_output(request: web.Request, job: RenderJob) -> web.StreamResponse:
     if not job.path.is_file():
         return error(404, "nothing written yet" if not job.done else f"the render {job.state}")
     return web.FileResponse(job.path, headers={"Content-Type": "video/mp4"})
 
 
-async def delete_render(request: web.Request) -> web.Response:
-    job = _job(request)
-    if isinstance(job, web.Response):
-        return job
+@ROUTES.delete("/v1/renders/{id}")
+@resolved(_job)
+async def delete_render(request: web.Request, job: RenderJob) -> web.Response:
     request.app[RENDERS].remove(job)
     return web.Response(status=204)
 
 
 def add_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_post("/v1/renders", post_render)
-    r.add_get("/v1/renders/{id}", get_render)
-    r.add_get("/v1/renders/{id}/output", get_render_output)
-    r.add_delete("/v1/renders/{id}", delete_render)
+    """Register this file's routes (in the order the handlers stand)."""
+    app.router.add_routes(ROUTES)

@@ -19,6 +19,7 @@ from aiohttp import WSMsgType, web
 from avatarstream.errors import AvatarStreamError
 from avatarstream.serve.app import AVATARS, SESSIONS, TTS, api_key, error
 from avatarstream.serve.avatars import key_fingerprint
+from avatarstream.serve.guards import caller_key, resolved
 from avatarstream.serve.hls import NAME as HLS_NAME
 from avatarstream.serve.hls import PLAYLIST
 from avatarstream.serve.sessions import AdmissionError, Entry
@@ -26,9 +27,10 @@ from avatarstream.serve.sessions import AdmissionError, Entry
 _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
 MAX_CONTROL_BYTES = 16 * 1024
 MAX_PACKET_BYTES = 64 * 1024  # 2 s of PCM16 at 16 kHz
+ROUTES = web.RouteTableDef()  # each handler's method and path stand above it
 
 
-def _entry(request: web.Request) -> Entry | web.Response:
+async def _entry(request: web.Request) -> Entry | web.Response:
     """The session named in the path, if the caller holds its token or its owner's key."""
     sid = request.match_info["id"]
     manager = request.app[SESSIONS]
@@ -57,17 +59,16 @@ async def _json(request: web.Request) -> dict | web.Response:
 
 async def _entry_json(request: web.Request) -> tuple[Entry, dict] | web.Response:
     """The session (as `_entry`) and the JSON object body of a session POST."""
-    entry = _entry(request)
+    entry = await _entry(request)
     if isinstance(entry, web.Response):
         return entry
     body = await _json(request)
     return body if isinstance(body, web.Response) else (entry, body)
 
 
-async def post_session(request: web.Request) -> web.Response:
-    key = api_key(request)
-    if key is None:
-        return error(401, "send `Authorization: Bearer KEY`")
+@ROUTES.post("/v1/sessions")
+@resolved(caller_key)
+async def post_session(request: web.Request, key: str) -> web.Response:
     body = await _json(request)
     if isinstance(body, web.Response):
         return body
@@ -99,10 +100,9 @@ async def post_session(request: web.Request) -> web.Response:
     return web.json_response(out, status=201)
 
 
-async def get_session(request: web.Request) -> web.Response:
-    entry = _entry(request)
-    if isinstance(entry, web.Response):
-        return entry
+@ROUTES.get("/v1/sessions/{id}")
+@resolved(_entry)
+async def get_session(request: web.Request, entry: Entry) -> web.Response:
     s = entry.session
     sched = request.app[SESSIONS].scheduler
     return web.json_response({
@@ -115,20 +115,18 @@ async def get_session(request: web.Request) -> web.Response:
     })
 
 
-async def delete_session(request: web.Request) -> web.Response:
-    entry = _entry(request)
-    if isinstance(entry, web.Response):
-        return entry
+@ROUTES.delete("/v1/sessions/{id}")
+@resolved(_entry)
+async def delete_session(request: web.Request, entry: Entry) -> web.Response:
     manager = request.app[SESSIONS]
     sid = next(k for k, v in manager.entries.items() if v is entry)
     await manager.close(sid)
     return web.Response(status=204)
 
 
-async def post_offer(request: web.Request) -> web.Response:
-    found = await _entry_json(request)
-    if isinstance(found, web.Response):
-        return found
+@ROUTES.post("/v1/sessions/{id}/offer")
+@resolved(_entry_json)
+async def post_offer(request: web.Request, found: tuple[Entry, dict]) -> web.Response:
     entry, body = found
     sdp, kind = body.get("sdp"), body.get("type", "offer")
     if not isinstance(sdp, str) or kind != "offer" or len(sdp) > 64 * 1024:
@@ -156,10 +154,9 @@ async def _say(request: web.Request, entry: Entry, text: object, voice: object) 
     return {"type": "queued", "seconds": round(samples.size / 16000, 3)}
 
 
-async def post_say(request: web.Request) -> web.Response:
-    found = await _entry_json(request)
-    if isinstance(found, web.Response):
-        return found
+@ROUTES.post("/v1/sessions/{id}/say")
+@resolved(_entry_json)
+async def post_say(request: web.Request, found: tuple[Entry, dict]) -> web.Response:
     entry, body = found
     try:
         out = await _say(request, entry, body.get("text"), body.get("voice"))
@@ -168,10 +165,9 @@ async def post_say(request: web.Request) -> web.Response:
     return web.json_response(out, status=202)
 
 
-async def post_control(request: web.Request) -> web.Response:
-    entry = _entry(request)
-    if isinstance(entry, web.Response):
-        return entry
+@ROUTES.post("/v1/sessions/{id}/{action:interrupt|end_of_speech|keep_alive}")
+@resolved(_entry)
+async def post_control(request: web.Request, entry: Entry) -> web.Response:
     action = request.match_info["action"]
     s = entry.session
     if action == "interrupt":
@@ -183,10 +179,9 @@ async def post_control(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-async def session_audio(request: web.Request) -> web.StreamResponse:
-    entry = _entry(request)
-    if isinstance(entry, web.Response):
-        return entry
+@ROUTES.get("/v1/sessions/{id}/audio")
+@resolved(_entry)
+async def session_audio(request: web.Request, entry: Entry) -> web.StreamResponse:
     session = entry.session
     ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=MAX_PACKET_BYTES)
     await ws.prepare(request)
@@ -237,10 +232,9 @@ async def _control(request: web.Request, ws: web.WebSocketResponse, entry: Entry
                             '"end_of_speech" | "clear_buffer" | "keep_alive" | "text"}'})
 
 
-async def session_hls(request: web.Request) -> web.StreamResponse:
-    entry = _entry(request)
-    if isinstance(entry, web.Response):
-        return entry
+@ROUTES.get("/v1/sessions/{id}/hls/{name}")
+@resolved(_entry)
+async def session_hls(request: web.Request, entry: Entry) -> web.StreamResponse:
     if not entry.hls:
         return error(404, 'this session has no HLS output (create it with {"hls": true})')
     name = request.match_info["name"]
@@ -260,12 +254,5 @@ async def session_hls(request: web.Request) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_post("/v1/sessions", post_session)
-    r.add_get("/v1/sessions/{id}", get_session)
-    r.add_delete("/v1/sessions/{id}", delete_session)
-    r.add_post("/v1/sessions/{id}/offer", post_offer)
-    r.add_post("/v1/sessions/{id}/say", post_say)
-    r.add_post("/v1/sessions/{id}/{action:interrupt|end_of_speech|keep_alive}", post_control)
-    r.add_get("/v1/sessions/{id}/audio", session_audio)
-    r.add_get("/v1/sessions/{id}/hls/{name}", session_hls)
+    """Register this file's routes (in the order the handlers stand)."""
+    app.router.add_routes(ROUTES)

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 import torch
 from aiohttp import web
 
-from avatarstream.engine.pipeline import ModelSet
+from avatarstream.engine.config import ModelSet
 from avatarstream.serve.hls import FMP4HLSSink
-from avatarstream.serve.prepared import PreparedReference
-from avatarstream.serve.scheduler import ChunkScheduler
-from avatarstream.serve.session import LiveSession
-from avatarstream.serve.sinks import BackgroundSink
+from avatarstream.live.prepared import PreparedReference
+from avatarstream.live.scheduler import ChunkScheduler
+from avatarstream.live.session import LiveSession
+from avatarstream.live.sinks import BackgroundSink
 
 if TYPE_CHECKING:
     from avatarstream.serve.app import ServerConfig

@@ -5,8 +5,6 @@
     avatarstream train prepare --shards SYNTH_DIR --vae VAE_RUN|WEIGHTS|random --model tiny|small
                                --out FILE.safetensors [--max-clips N] [--device cpu|cuda]
     avatarstream train export RUN_DIR [RUN_DIR ...] --out weights/NAME/ [--steps K]
-    avatarstream train predict --prepared FILE --weights DIR --out FILE.safetensors [--variants V]
-                               [--sigma-start S] [--seed X] [--max-clips N]
 
 Each returns a JSON-serialisable summary (the top-level CLI prints it).
 """
@@ -30,8 +28,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", metavar="RECIPE|prepare|export|predict",
-                   help="a recipe (.toml path or name under recipes/), or `prepare` / `export` / `predict`")
+    p.add_argument("recipe", metavar="RECIPE|prepare|export",
+                   help="a recipe (.toml path or name under recipes/), or `prepare` / `export`")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that form (see above)")
 
 
@@ -76,20 +74,6 @@ def _export_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _predict_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="avatarstream train predict", add_help=False)
-    p.add_argument("--prepared", required=True, help="the prepared file the weights' DiT was trained on")
-    p.add_argument("--weights", required=True, help="an exported weights folder (its DiT, sampler, scales)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--variants", type=int, default=2, help="independent noise draws per clip")
-    p.add_argument("--sigma-start", type=float, default=1.0,
-                   help="start the sampler from the clip's latents noised to this σ (1: pure noise, as the engine)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-clips", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
 def _parse(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
     ns, extra = parser.parse_known_args(rest)
     if extra:
@@ -109,13 +93,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ns = _parse(_export_parser(), args.rest)
         return export(ns.runs, ns.out, prepared=ns.prepared, dtype=ns.dtype, steps=ns.steps,
                       share_with=ns.share_with)
-    if args.recipe == "predict":
-        from avatarstream.train.predicted import predict_latents
-
-        ns = _parse(_predict_parser(), args.rest)
-        return predict_latents(ns.prepared, ns.weights, ns.out, variants=ns.variants,
-                               sigma_start=ns.sigma_start, seed=ns.seed, max_clips=ns.max_clips or None,
-                               progress=not ns.no_progress)
     ns = _parse(_run_parser(), args.rest)
     from avatarstream.train.recipe import load_recipe
     from avatarstream.train.trainer import Trainer
@@ -130,8 +107,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _prepare(ns: argparse.Namespace) -> dict[str, Any]:
     from avatarstream.train.data import prepare
-    from avatarstream.train.tasks import GEOMETRY, build_nets, vae_for
-    from avatarstream.train.trainer import net_weights, resolve_device
+    from avatarstream.train.checkpoints import net_weights
+    from avatarstream.train.nets import GEOMETRY, build_nets, vae_for
+    from avatarstream.train.trainer import resolve_device
 
     device = resolve_device(ns.device)
     vae = build_nets(ns.model)["vae"]

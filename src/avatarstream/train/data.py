@@ -15,7 +15,7 @@ Two sources:
   clip (101 frames, 26 latent frames) is 26·16·1280·2 ≈ 1.06 MB + 128 kB audio + 4 kB ≈ 1.2 MB,
   so ~50 four-second clips (≈ 3.3 minutes of video) fit in 64 MiB. Latents are stored
   normalised per channel (unit scale, what flow matching wants), and the file also holds the VAE
-  they were made with, with those statistics folded in (`vae.*`, `CausalVAE.fold_latent_stats`):
+  they were made with, with those statistics folded in (`vae.*`, `train/vae_init.py` `fold_latent_stats`):
   the VAE `train export` bundles, so inference encodes and decodes in the same normalised space.
   A VAE that already has them folded in (an exported model's, a prepared file's) is kept as it is
   (`prepare(fold=False)`), so a model's own latent space is reproduced exactly.
@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from avatarstream.errors import InputError
+from avatarstream.train.vae_init import fold_latent_stats
 
 FRAME_KEYS = ("mouth_open", "mouth_width", "mouth_round", "yaw", "pitch", "roll", "smile", "blink",
               "brow", "gaze_x", "gaze_y", "teeth", "mouth_x", "mouth_y", "eye_rx", "eye_ry",
@@ -261,7 +262,7 @@ def prepare(shards: str | Path, vae: torch.nn.Module, out: str | Path, *, lr_siz
     mean, std = both.mean(1), both.std(1).clamp_min(1e-3)
     folded = copy.deepcopy(vae).cpu().float()
     if fold:
-        folded.fold_latent_stats(mean, std)
+        fold_latent_stats(folded, mean, std)
     else:
         measured = mean, std
         mean, std = torch.zeros_like(mean), torch.ones_like(std)

@@ -9,18 +9,17 @@ and is listed under `untrained` in config.json. All runs must share one model si
 A DiT trained `direct` (a2v `direct = true`: at the output resolution) makes a model without a
 refiner: no `refiner.safetensors`, `pipeline.lr_size` = `hr_size`. A causal student (a `df` or
 `dmd` run) makes a model whose default strategy is `causal`, with the block, window and guidance
-scales it was trained with (a `dmd` student: its step count too); a `dmd` run with `strategy =
-"prefix"` (a bidirectional student) one whose strategy is `prefix`, in the chunks it was trained in.
+scales it was trained with (a `dmd` student: its step count too).
 
 Folder: `{dit,refiner,vae,audio,text}.safetensors` + `config.json` = {"model": preset, network
 configs, "pipeline": the preset's PipelineConfig fields, "trained": net -> run, "untrained"}.
-`model_spec(folder)` turns it into a registry `ModelSpec` (weights=folder).
+This module is the write side only; the folder is read by `avatarstream.weights` (its
+`model_spec(folder)` is the registry's `ModelSpec`, weights=folder), which the trainer never is.
 
 `--share-with FOLDER`: a network whose file comes out byte-identical to FOLDER's is not stored
 twice; config.json's `"shared"` maps it to {"file": the path relative to this folder, "sha256"}
-(a causal student keeps its teacher's VAE, audio and text encoders). Every reader goes through
-`weights_file`, which checks the hash: a shared file that changed or went missing is a clear
-error, never another model's weights loaded silently.
+(a causal student keeps its teacher's VAE, audio and text encoders); readers check the hash
+(`weights.weights_file`).
 """
 
 from __future__ import annotations
@@ -34,8 +33,10 @@ from typing import Any
 import torch
 
 from avatarstream.errors import InputError
-from avatarstream.train.tasks import NETS, build_nets, init_net, vae_for
-from avatarstream.train.trainer import load_checkpoint
+from avatarstream.train.checkpoints import load_checkpoint
+from avatarstream.train.nets import NETS, build_nets, init_net, vae_for
+from avatarstream.weights.folder import file_sha256, weights_file
+from avatarstream.weights.spec import pipeline_preset
 
 
 def _prepared_vae(runs: list[tuple[Path, dict, dict]], prepared: str | Path | None) -> tuple[dict | None, str | None]:
@@ -144,14 +145,12 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
         save_file({k: (v.to(store) if v.is_floating_point() else v).detach().contiguous()
                    for k, v in nets[name].state_dict().items()}, str(p))
         other = None if share_with is None else weights_file(share_with, name)
-        if other is not None and _sha256(other) == _sha256(p):
-            shared[name] = {"file": os.path.relpath(other.resolve(), out.resolve()), "sha256": _sha256(p)}
+        if other is not None and file_sha256(other) == file_sha256(p):
+            shared[name] = {"file": os.path.relpath(other.resolve(), out.resolve()), "sha256": file_sha256(p)}
             p.unlink()
             continue
         total += p.stat().st_size
-    from avatarstream.registry import _small_pipeline, _tiny_pipeline
-
-    pipe = (_tiny_pipeline if model == "tiny" else _small_pipeline)()
+    pipe = pipeline_preset(model)()
     if direct:
         pipe = dataclasses.replace(pipe, lr_size=pipe.hr_size)
     if steps is not None:
@@ -169,15 +168,11 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     pipe = dataclasses.replace(pipe, adaptive_sink=False)
     if stage in ("df", "dmd"):
         # a causal student: it streams with the causal strategy, in the block and window it was
-        # trained with, at the guidance scales it was trained with (a DMD student: its steps); a
-        # prefix DMD student: with the prefix strategy, in the chunks it was rolled out in
+        # trained with, at the guidance scales it was trained with (a DMD student: its steps)
         c = distill[stage]
-        if c.get("strategy", "causal") == "prefix":
-            pipe = dataclasses.replace(pipe, strategy="prefix", chunk=c["prefix_chunk"], overlap=c["overlap"])
-        else:
-            pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"],
-                                       adaptive_sink=bool(c.get("adaptive_sink", False)),
-                                       history_level=c.get("history_level", "same"))
+        pipe = dataclasses.replace(pipe, strategy="causal", block=c["block"], kv_blocks=c["history"],
+                                   adaptive_sink=bool(c.get("adaptive_sink", False)),
+                                   history_level=c.get("history_level", "same"))
         if c.get("guidance"):
             pipe = dataclasses.replace(pipe, audio_scale=float(c["guidance"][0]),
                                        ref_scale=float(c["guidance"][1]), guidance_input=True)
@@ -192,44 +187,6 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     return {"out": str(out), "model": model, "bytes": total, "trained": trained,
             "frozen_copies": frozen, "untrained": untrained, "shared": sorted(shared)}
-
-
-_HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def _sha256(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        import hashlib
-
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _HASHES[key] = h.hexdigest()
-    return _HASHES[key]
-
-
-def weights_file(folder: str | Path, net: str) -> Path | None:
-    """The .safetensors file of `net` in an exported folder: its own, or the one config.json's
-    `shared` points to (hash checked); None if the folder has no such network."""
-    folder = Path(folder)
-    own = folder / f"{net}.safetensors"
-    if own.is_file():
-        return own
-    cfg_path = folder / "config.json"
-    ref = json.loads(cfg_path.read_text()).get("shared", {}).get(net) if cfg_path.is_file() else None
-    if ref is None:
-        return None
-    other = (folder / ref["file"]).resolve()
-    if not other.is_file():
-        raise InputError(f"{folder}: its {net} weights are shared with {ref['file']}, which is missing "
-                         "(copy that folder beside it, or re-export without --share-with)")
-    if _sha256(other) != ref["sha256"]:
-        raise InputError(f"{folder}: its {net} weights are shared with {ref['file']}, which has changed "
-                         "since the export (re-export this folder, or restore that file)")
-    return other
 
 
 def _finetuned_decoder(runs: list[tuple[Path, dict, dict]], vae_state: dict | None,
@@ -261,63 +218,3 @@ def _run_recipe(runs: list[tuple[Path, dict, dict]], side: dict | None) -> dict[
         if sd is side and (rd / "recipe.json").is_file():
             return json.loads((rd / "recipe.json").read_text())
     return {}
-
-
-def model_spec(folder: str | Path, name: str | None = None):  # type: ignore[no-untyped-def]
-    """A registry `ModelSpec` for an exported folder (sizes from its config.json preset)."""
-    from avatarstream.models.audio import AudioConfig
-    from avatarstream.models.dit import DiTConfig
-    from avatarstream.models.refiner import RefinerConfig
-    from avatarstream.models.text import TextConfig
-    from avatarstream.models.vae import VAEConfig
-    from avatarstream.registry import ModelSpec, _small_pipeline, _tiny_pipeline
-
-    folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    m = cfg["model"]
-    stored = cfg.get("configs", {})
-
-    def pick(cls, key):  # type: ignore[no-untyped-def]
-        """The sizes the weights were exported with (config.json), not today's preset."""
-        if key not in stored:
-            return getattr(cls, m)
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in stored[key].items()}
-        return lambda: cls(**kw)
-
-    preset = _tiny_pipeline if m == "tiny" else _small_pipeline
-    stored_pipe = cfg.get("pipeline", {})
-
-    def pipeline():  # type: ignore[no-untyped-def]
-        """Today's preset, with the inference defaults the export chose (CFG scales, steps, a
-        direct model's lr_size, the causal strategy's block, window, sink rule and history level)."""
-        keep = {k: stored_pipe[k] for k in ("audio_scale", "ref_scale", "guidance_input", "lr_size", "steps",
-                                            "strategy", "block", "kv_blocks", "adaptive_sink", "history_level")
-                if stored_pipe.get(k) is not None}
-        return dataclasses.replace(preset(), **keep)
-
-    refiner = pick(RefinerConfig, "refiner") if weights_file(folder, "refiner") is not None else None
-    return ModelSpec(name or folder.name, pick(DiTConfig, "dit"), refiner,
-                     pick(VAEConfig, "vae"), pick(AudioConfig, "audio"), pick(TextConfig, "text"),
-                     pipeline,
-                     weights=folder, description=f"trained ({m}) from {folder}")
-
-
-def load_exported(folder: str | Path) -> dict[str, torch.nn.Module]:
-    """The networks of an exported folder (four for a direct model), loaded strictly."""
-    from safetensors.torch import load_file
-
-    from avatarstream.models.audio import AudioEncoder
-    from avatarstream.models.dit import VideoRefDiT
-    from avatarstream.models.refiner import SRRefiner
-    from avatarstream.models.text import TextEncoder
-    from avatarstream.models.vae import CausalVAE
-
-    folder = Path(folder)
-    spec = model_spec(folder)  # the sizes the weights were exported with
-    nets = {"dit": VideoRefDiT(spec.dit()), "vae": CausalVAE(spec.vae()),
-            "audio": AudioEncoder(spec.audio()), "text": TextEncoder(spec.text())}
-    if spec.refiner is not None:
-        nets["refiner"] = SRRefiner(spec.refiner())
-    for name, net in nets.items():
-        net.load_state_dict(load_file(str(weights_file(folder, name))), strict=True)
-    return nets

@@ -1,13 +1,24 @@
-"""Optimisers of the trainer: Muon for the 2-D weight matrices of transformer blocks, AdamW for
-everything else (embeddings, norms, biases, modulation tables, heads, convolutions), one object
-with a flat, tensor-only state so checkpoints are plain safetensors.
+"""Optimisers of the trainer: `torch.optim.Muon` for the 2-D weight matrices of transformer
+blocks, `torch.optim.AdamW` for everything else (embeddings, norms, biases, modulation tables,
+heads, convolutions), as one object whose state is a flat dict of tensors, so checkpoints are
+plain safetensors; plus the learning-rate schedule.
 
-Muon (Jordan et al. 2024; Avatar V sec. 3.1): for a matrix parameter W `[out, in]` with gradient
-G, keep a Nesterov momentum buffer `B <- mu B + G`, take `U = G + mu B`, orthogonalise it with a
-quintic Newton–Schulz iteration (`newton_schulz`: `U ≈ UV^T` of its SVD `U S V^T`, i.e. all
-singular values pushed to ≈ 1), and step `W <- W (1 - lr wd) - lr · s · O` with the shape scale
-`s = 0.2 · sqrt(max(out, in))` so the update RMS matches AdamW's and one learning rate (`lr`)
-serves both groups.
+Muon (Jordan et al. 2024; Avatar V sec. 3.1): for a matrix W `[out, in]` with gradient G, a
+Nesterov momentum buffer, the update orthogonalised by the quintic Newton–Schulz iteration
+(coefficients (3.4445, −4.7750, 2.0315), 5 steps: all singular values pushed to ≈ 1), decoupled
+weight decay `W <- W (1 − lr wd)`, and the step `lr · 0.2 · sqrt(max(out, in))`
+(`adjust_lr_fn = "match_rms_adamw"`, Moonshot's) so the update RMS matches AdamW's and one
+learning rate serves both groups.
+
+This replaced our own implementation of the same update (until issue 27). What differs, measured
+on fixed gradients (tests/train/test_optim.py, tolerance written there): torch's Newton–Schulz runs
+in bfloat16 always (ours could run in float32: `train.muon_bf16`), normalises after the cast and
+fuses its products (`addmm`), and keeps its momentum as an average (`lerp`) where ours kept a sum
+— the same direction, which the normalisation makes the same update. Its update is within 1.6 %
+(relative Frobenius norm) of our float32 one, nearer than our own bfloat16 path was (3.2 %).
+AdamW's bias correction counts each parameter's own updates (torch's), where ours counted
+optimiser steps; they differ only for a parameter that skips steps (a DMD generator with
+`fake_updates` > 1), over its first ~100 updates.
 """
 
 from __future__ import annotations
@@ -18,28 +29,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton–Schulz coefficients (Muon reference)
-
-
-def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Approximate orthogonalisation of a matrix `g [m, n]` -> `[m, n]` float32 whose singular
-    values are ≈ 1 (in about [0.7, 1.2] after 5 steps: the quintic trades exactness for speed).
-    The iteration runs in `dtype` (bfloat16 as in the Muon reference: half the time of float32
-    on a CPU with AVX512-bf16 and on GPUs; float32 for exactness)."""
-    if g.dim() != 2:
-        raise ValueError(f"newton_schulz expects a matrix, got shape {tuple(g.shape)}")
-    a, b, c = NS_COEFFS
-    x = g.float()
-    x = (x / (x.norm() + eps)).to(dtype)  # spectral norm <= Frobenius norm <= 1
-    transpose = x.shape[0] > x.shape[1]
-    if transpose:
-        x = x.T
-    for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    x = x.float()
-    return x.T if transpose else x
+# a checkpoint's optimizer state before issue 27 (our Muon): momentum kept as a sum, one AdamW step
+# count for every parameter (the sidecar's `opt_t`)
+SUM_MOMENTUM_VERSION = 1
 
 
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
@@ -49,34 +41,45 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
 
 
 class MuonAdamW:
-    """Muon for `is_muon_param` matrices, AdamW for the rest. Parameters are given with stable
-    names (`net.param`); `state_tensors()` / `load_state_tensors()` round-trip the whole state.
+    """Muon for `is_muon_param` matrices, AdamW for the rest (weight decay on matrices and
+    convolutions only, not on norms, biases and gains). Parameters are given with stable names
+    (`net.param`); `state_tensors()` / `load_state_tensors()` round-trip the whole state.
 
     step(lr): lr is the current learning rate of both groups (schedule applied by the caller).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], *, weight_decay: float = 0.01,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
-                 ns_steps: int = 5, muon_scale: float = 0.2, ns_bf16: bool = True) -> None:
-        self.params: dict[str, nn.Parameter] = {}
-        self.muon: set[str] = set()
-        for name, p in named_params:
-            if not p.requires_grad:
-                continue
-            self.params[name] = p
-            if is_muon_param(name.split(".", 1)[1] if "." in name else name, p):
-                self.muon.add(name)
-        self.wd, self.betas, self.eps = weight_decay, betas, eps
-        self.momentum, self.ns_steps, self.muon_scale = momentum, ns_steps, muon_scale
-        self.ns_dtype = torch.bfloat16 if ns_bf16 else torch.float32
-        self.t = 0  # AdamW step count
-        self.state: dict[str, torch.Tensor] = {}
+                 ns_steps: int = 5) -> None:
+        self.params = {name: p for name, p in named_params if p.requires_grad}
+        self.muon = {name for name, p in self.params.items()
+                     if is_muon_param(name.split(".", 1)[1] if "." in name else name, p)}
+        self.momentum = momentum
+        self.t = 0  # optimiser steps taken
+        muon = [p for n, p in self.params.items() if n in self.muon]
+        adam = [p for n, p in self.params.items() if n not in self.muon]
+        groups = [{"params": [p for p in adam if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in adam if p.dim() < 2], "weight_decay": 0.0}]
+        self.opts: list[torch.optim.Optimizer] = []
+        if muon:
+            self.opts.append(torch.optim.Muon(muon, lr=0.0, weight_decay=weight_decay, momentum=momentum,
+                                              nesterov=True, ns_steps=ns_steps, adjust_lr_fn="match_rms_adamw"))
+        if adam:
+            self.opts.append(torch.optim.AdamW([g for g in groups if g["params"]], lr=0.0, betas=betas, eps=eps))
+        # the state exists from the start (torch creates it lazily), so every checkpoint has all keys
+        self._state: dict[str, torch.Tensor] = {}
         for name, p in self.params.items():
+            st = self._torch_state(name)
             if name in self.muon:
-                self.state[f"muon.{name}"] = torch.zeros_like(p, dtype=torch.float32)
+                st["momentum_buffer"] = self._state[f"muon.{name}"] = torch.zeros_like(p)
             else:
-                self.state[f"adam_m.{name}"] = torch.zeros_like(p, dtype=torch.float32)
-                self.state[f"adam_v.{name}"] = torch.zeros_like(p, dtype=torch.float32)
+                st["step"] = self._state[f"adam_step.{name}"] = torch.tensor(0.0)
+                st["exp_avg"] = self._state[f"adam_m.{name}"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = self._state[f"adam_v.{name}"] = torch.zeros_like(p)
+
+    def _torch_state(self, name: str) -> dict[str, torch.Tensor]:
+        opt = self.opts[0] if name in self.muon else self.opts[-1]
+        return opt.state[self.params[name]]
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -85,36 +88,30 @@ class MuonAdamW:
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self.t += 1
-        b1, b2 = self.betas
-        bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-        for name, p in self.params.items():
-            if p.grad is None:
-                continue
-            g = p.grad.float()
-            if name in self.muon:
-                buf = self.state[f"muon.{name}"]
-                buf.mul_(self.momentum).add_(g)
-                u = g.add(buf, alpha=self.momentum)  # Nesterov
-                o = newton_schulz(u, self.ns_steps, dtype=self.ns_dtype)
-                scale = self.muon_scale * math.sqrt(max(p.shape))
-                p.mul_(1 - lr * self.wd).add_(o.to(p.dtype), alpha=-lr * scale)
-            else:
-                m, v = self.state[f"adam_m.{name}"], self.state[f"adam_v.{name}"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                upd = (m / bc1) / ((v / bc2).sqrt() + self.eps)
-                decay = self.wd if p.dim() >= 2 else 0.0  # no decay on norms, biases, gains
-                p.mul_(1 - lr * decay).add_(upd.to(p.dtype), alpha=-lr)
+        for opt in self.opts:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().contiguous() for k, v in self.state.items()}
+        return {k: v.detach().cpu().contiguous() for k, v in self._state.items()}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], t: int) -> None:
-        missing = set(self.state) - set(tensors)
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], t: int, version: int = 2) -> None:
+        """Restore `state_tensors()` output and the step count `t`. A checkpoint written by our
+        own Muon (`version` 1) has momentum sums (× (1 − momentum) gives torch's average) and one
+        AdamW step count `t` for every parameter."""
+        old = version <= SUM_MOMENTUM_VERSION
+        want = {k for k in self._state if not (old and k.startswith("adam_step."))}
+        missing = want - set(tensors)
         if missing:
             raise KeyError(f"optimizer state lacks {sorted(missing)[:3]}...")
-        for k in self.state:
-            self.state[k].copy_(tensors[k])
+        for k, v in self._state.items():
+            if old and k.startswith("adam_step."):
+                v.fill_(float(t))
+            elif old and k.startswith("muon."):
+                v.copy_(tensors[k] * (1 - self.momentum))
+            else:
+                v.copy_(tensors[k])
         self.t = int(t)
 
 

@@ -50,7 +50,7 @@ def _text(img: np.ndarray, x: int, y: int, text: str, scale: int = 2) -> None:
 
 
 def _raster(steps: np.ndarray, ys: np.ndarray, path: Path, w: int = 640, h: int = 360) -> None:
-    from avatarstream.bench.inputs import write_png
+    from avatarstream.media.image import write_png
 
     img = np.full((h, w, 3), 255, np.uint8)
     m = 24

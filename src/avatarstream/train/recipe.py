@@ -32,16 +32,14 @@ MODELS = ("tiny", "small")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"steps": 1000, "batch": 4, "seed": 0, "lr": 1e-3, "warmup": 50, "min_lr_ratio": 0.1,
-              "weight_decay": 0.01, "betas": [0.9, 0.95], "muon_momentum": 0.95, "muon_bf16": "auto", "grad_clip": 1.0,
+              "weight_decay": 0.01, "betas": [0.9, 0.95], "muon_momentum": 0.95, "grad_clip": 1.0,
               "ema": 0.999, "bf16": "auto", "checkpoint_every": 500, "checkpoint_minutes": 20.0,
               "keep": 2, "plot_every": 100, "threads": 0},
     "data": {"shards": "", "prepared": "", "max_clips": 0},
     "init": {"dit": "", "refiner": "", "vae": "", "audio": "", "text": ""},
     "vae": {"latent_frames": 3, "warm_latents": 0, "p_stream_start": 0.25, "crop": 128, "p_lr": 0.5, "kl": 1e-4, "grad": 0.5, "multiscale": 0.5,
             "temporal": 0.25, "mouth": 4.0, "eyes": 2.0, "radius": 0.06, "train_encoder": True,
-            "p_mouth_crop": 0.0, "mouth_temporal": 0.0, "latent_noise": 0.0,
-            # decoder fine-tune on a DiT's own latents (`avatarstream train predict`'s file)
-            "predicted": "", "p_predicted": 0.75},
+            "p_mouth_crop": 0.0, "mouth_temporal": 0.0, "latent_noise": 0.0},
     "a2v": {"chunk": 8, "ref_frames": 8, "p_ref2v": 0.4, "p_prefix": 0.4, "p_interp": 0.2, "overlap": 2,
             "first_frame": True, "p_clip_start": 0.5,
             "logit_mean": 0.0, "logit_std": 1.0, "motion": 0.5, "ref_motion": 0.1, "mouth": 2.0,
@@ -63,7 +61,7 @@ DEFAULTS["cfg-distill"] = {**DEFAULTS["a2v"], "human_sync": 0.0, "human_identity
                            "guidance_input": True, "audio_scale_min": 1.0, "audio_scale_max": 5.0,
                            "ref_scale_min": 1.0, "ref_scale_max": 3.0}
 
-# The causal student (train/causal_tasks.py): diffusion forcing, then Self-Forcing DMD.
+# The causal student (train/objectives/): diffusion forcing, then Self-Forcing DMD.
 _CAUSAL = {"chunk": 12, "block": 3, "history": 4, "ref_frames": 8, "p_cross_scene": 1.0, "audio_window": 1,
            "p_empty_text": 0.5, "ref_t_position": -8.0, "rolling_rope": True, "logit_mean": 0.0,
            "logit_std": 1.0, "motion": 0.5,
@@ -96,12 +94,17 @@ DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigm
                    "block_start": 0.0,
                    # the fake score's starting weights (a dmd run or weights folder: continue a
                    # distillation with its fake score; "": the teacher's)
-                   "fake_init": "",
-                   # "causal": the block-causal student above; "prefix": a bidirectional student
-                   # rolled out in prefix chunks of prefix_chunk latent frames given the previous
-                   # chunk's last `overlap` (train/prefix_dmd.py; `chunk` is then the window:
-                   # prefix_chunk + k * (prefix_chunk - overlap))
-                   "strategy": "causal", "prefix_chunk": 8, "overlap": 2}
+                   "fake_init": ""}
+
+# Keys that recipes had and no longer have, with the value every run that resumes had (their
+# defaults): the fingerprint of a checkpoint made before they went includes them, so `fingerprint`
+# adds them back and such a run still resumes. (Gone with the experiments of issue 27: the decoder
+# fine-tune on a DiT's latents, the prefix DMD student, and our own Muon's float32 Newton–Schulz.)
+RETIRED: dict[str, dict[str, Any]] = {
+    "train": {"muon_bf16": "auto"},
+    "vae": {"predicted": "", "p_predicted": 0.75},
+    "dmd": {"strategy": "causal", "prefix_chunk": 8, "overlap": 2},
+}
 
 
 def recipe_dirs() -> list[Path]:
@@ -177,9 +180,8 @@ def resolve(raw: dict[str, Any], *, base: Path | None = None, name: str = "recip
                     raise ConfigError(f"recipe {rname}: {sec}.{k} must be an integer")
                 merged[k] = type(d)(v) if not (isinstance(d, int) and isinstance(v, float)) else int(v)
         out[sec] = merged
-    for k in ("bf16", "muon_bf16"):  # true, false or "auto" (bf16 only where it is fast: hardware.py)
-        if out["train"][k] not in (True, False, "auto"):
-            raise ConfigError(f"recipe {rname}: train.{k} must be true, false or \"auto\"")
+    if out["train"]["bf16"] not in (True, False, "auto"):  # "auto": only where it is fast (hardware.py)
+        raise ConfigError(f"recipe {rname}: train.bf16 must be true, false or \"auto\"")
     for k in ("shards", "prepared"):
         if out["data"][k]:
             out["data"][k] = str(Path(out["data"][k]).expanduser())
@@ -196,8 +198,12 @@ def resolve(raw: dict[str, Any], *, base: Path | None = None, name: str = "recip
 def fingerprint(recipe: dict[str, Any]) -> str:
     """Hash of what determines the trajectory: everything but checkpoint/plot cadence, threads,
     and where the data and `[init]` weights live (a run may resume on another machine, e.g. a
-    GPU box with the prepared file elsewhere; `[init]` is only read when a run starts)."""
+    GPU box with the prepared file elsewhere; `[init]` is only read when a run starts). Retired
+    keys count at the value they had (`RETIRED`), so older runs keep their fingerprint."""
     r = copy.deepcopy(recipe)
+    for sec, keys in RETIRED.items():
+        if sec in r:
+            r[sec] = {**r[sec], **keys}
     for k in ("checkpoint_every", "checkpoint_minutes", "keep", "plot_every", "threads"):
         r["train"].pop(k, None)
     r.pop("init", None)

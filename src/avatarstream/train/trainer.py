@@ -12,6 +12,8 @@ Run folder (`runs/<recipe name>` unless `--run-dir`):
     plots/<key>.png                  loss curves (refreshed at every checkpoint and at the end)
     summary.json                     written when the run reaches its last step
 
+(checkpoint files: train/checkpoints.py; the stage's objective: train/objectives/).
+
 Determinism: the batch and every noise tensor of step s come from a CPU `torch.Generator`
 seeded from (seed, s), so a run killed at any time and resumed from its last checkpoint draws
 the same batches; with the same device and thread count the resumed weights equal the
@@ -34,13 +36,14 @@ from typing import Any
 
 import torch
 
-from avatarstream.errors import ConfigError, InputError
+from avatarstream.errors import ConfigError
 from avatarstream.hardware import resolve_bf16
+from avatarstream.train.checkpoints import (atomic_write_bytes, list_checkpoints, load_checkpoint, load_init,
+                                            net_weights, save_checkpoint)
+from avatarstream.train.nets import vae_for
+from avatarstream.train.objectives import Task, make_task
 from avatarstream.train.optim import MuonAdamW, lr_at
 from avatarstream.train.recipe import fingerprint
-from avatarstream.train.tasks import Task, make_task, vae_for
-
-CKPT_VERSION = 1
 
 
 def _with_steps(recipe: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -68,116 +71,6 @@ def resolve_device(name: str | None) -> torch.device:
         torch.backends.cudnn.benchmark = False
         torch.use_deterministic_algorithms(True, warn_only=True)
     return torch.device(name)
-
-
-# ---------------------------------------------------------------------------------------------
-# checkpoints
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path, Path]]:
-    """Complete checkpoints (sidecar + weights), newest first: (step, sidecar, weights)."""
-    out = []
-    for js in run_dir.glob("ckpt-*.json"):
-        st = js.with_suffix(".safetensors")
-        try:
-            step = int(js.stem.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if st.is_file():
-            out.append((step, js, st))
-    return sorted(out, reverse=True)
-
-
-def load_checkpoint(run_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    """(sidecar, tensors) of the newest readable checkpoint, or None."""
-    from safetensors.torch import load_file
-
-    for _, js, st in list_checkpoints(run_dir):
-        try:
-            return json.loads(js.read_text()), load_file(str(st))
-        except Exception:  # noqa: BLE001 - a damaged file (torn write, bad header): use the one before
-            continue
-    return None
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def net_weights(source: str | Path, net: str) -> dict[str, torch.Tensor]:
-    """Weights of `net` from a run folder (EMA if that run trained it, else its model copy), an
-    exported weights folder (`<net>.safetensors`), a prepared file (its `vae.*`: the VAE with the
-    latent statistics folded in, which a decoder fine-tune for that file's DiT starts from) or a
-    .safetensors file of the net alone."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    from avatarstream.train.export import weights_file
-
-    p = Path(source)
-    exported = weights_file(p, net) if p.is_dir() else None
-    if exported is not None:
-        return load_file(str(exported))
-    if p.is_file() and p.suffix == ".safetensors":
-        with safe_open(str(p), "pt") as f:
-            keys = [k for k in f.keys() if k.startswith(f"{net}.")]
-            if keys:
-                return {k[len(net) + 1:]: f.get_tensor(k) for k in keys}
-        return load_file(str(p))
-    if p.is_dir():
-        ck = load_checkpoint(p)
-        if ck is None:
-            raise InputError(f"{p}: no checkpoint in this run folder")
-        _, t = ck
-        for prefix in (f"ema.{net}.", f"model.{net}."):
-            sd = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
-            if sd:
-                return sd
-        raise InputError(f"{p}: its checkpoints hold no {net} weights")
-    raise InputError(f"cannot read {net} weights from {p} (a run folder, weights folder or .safetensors)")
-
-
-# inputs added to a network after weights were trained without them; they start at zero, so the
-# network computes what it computed before until training moves them
-NEW_INPUTS = ("anchor_embedding.",)
-
-
-def load_init(net: torch.nn.Module, sd: dict[str, torch.Tensor], what: str) -> None:
-    """Load starting weights; parameters under `NEW_INPUTS` that `sd` lacks are zeroed; a DiT's
-    weights with a smaller spatial patch are lifted to this one's (`lift_patch_state`: an LR DiT
-    starting an output-resolution one)."""
-    from avatarstream.models.dit import HEAD_KEYS, lift_patch_state
-
-    shapes = {k: v.shape for k, v in net.state_dict().items()}
-    missing_ok: tuple[str, ...] = ()
-    if getattr(getattr(net, "config", None), "x0_skip", False) and any(
-            k in sd and sd[k].shape != shapes[k] for k in HEAD_KEYS):
-        # an LR velocity head says nothing about x̂0 − anchor: the head starts at zero (x̂0 = the
-        # anchor: the still scene frame), the rest of the network carries over
-        sd = {k: v for k, v in sd.items() if k not in HEAD_KEYS}
-        missing_ok = HEAD_KEYS
-    sd = lift_patch_state(sd, shapes)
-    wrong = [k for k, v in sd.items() if k in shapes and v.shape != shapes[k]]
-    if wrong:
-        raise InputError(f"{what}: weights do not fit the network ({wrong[0]}: "
-                         f"{tuple(sd[wrong[0]].shape)} vs {tuple(shapes[wrong[0]])})")
-    missing, unexpected = net.load_state_dict(sd, strict=False)
-    bad = [k for k in missing if not k.startswith(NEW_INPUTS) and k not in missing_ok]
-    if bad or unexpected:
-        raise InputError(f"{what}: weights do not fit the network (missing {bad[:4]}, "
-                         f"unexpected {list(unexpected)[:4]})")
-    with torch.no_grad():
-        params = dict(net.named_parameters())
-        for k in missing:
-            params[k].zero_()
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 class Trainer:
@@ -211,7 +104,7 @@ class Trainer:
         self.named = [(f"{n}.{k}", p) for n in self.task.trainable
                       for k, p in self.task.nets[n].named_parameters()]
         self.opt = MuonAdamW(self.named, weight_decay=self.tr["weight_decay"], betas=tuple(self.tr["betas"]),
-                             momentum=self.tr["muon_momentum"], ns_bf16=resolve_bf16(self.tr["muon_bf16"], self.device))
+                             momentum=self.tr["muon_momentum"])
         self.bf16 = resolve_bf16(self.tr["bf16"], self.device)
         self.ema = {k: p.detach().float().clone() for k, p in self.named}
         self.steps_changed: list[list[int]] = []  # [[step, from, to]] when --resume changed train.steps
@@ -232,22 +125,12 @@ class Trainer:
         return t
 
     def save_checkpoint(self) -> Path:
-        from safetensors.torch import save
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"ckpt-{self.step:08d}"
-        weights = self.run_dir / f"{stem}.safetensors"
-        _atomic_write_bytes(weights, save(self.state_tensors()))
-        side = {"version": CKPT_VERSION, "step": self.step, "opt_t": self.opt.t,
+        side = {"step": self.step, "opt_t": self.opt.t,
                 "fingerprint": fingerprint(self.recipe), "stage": self.recipe["stage"],
                 "model": self.recipe["model"], "trainable": list(self.task.trainable),
                 "elapsed_s": round(self.elapsed, 3), "saved_at": time.time(),
                 "steps": self.tr["steps"], "steps_changed": self.steps_changed}
-        _atomic_write_bytes(self.run_dir / f"{stem}.json", json.dumps(side, indent=1).encode())
-        for _, js, st in list_checkpoints(self.run_dir)[self.tr["keep"]:]:
-            js.unlink(missing_ok=True)
-            st.unlink(missing_ok=True)
-        return weights
+        return save_checkpoint(self.run_dir, self.step, self.state_tensors(), side, self.tr["keep"])
 
     def restore(self) -> bool:
         ck = load_checkpoint(self.run_dir)
@@ -271,7 +154,7 @@ class Trainer:
         for k in self.ema:
             self.ema[k].copy_(t[f"ema.{k}"])
         self.opt.load_state_tensors({k[6:]: v for k, v in t.items() if k.startswith("optim.")},
-                                    side["opt_t"])
+                                    side["opt_t"], side.get("version", 1))
         self.step = int(side["step"])
         self.elapsed = float(side.get("elapsed_s", 0.0))
         return True
@@ -335,7 +218,7 @@ class Trainer:
         if log_path.exists():  # drop lines logged after the checkpoint we continue from
             keep = [ln for ln in log_path.read_text().splitlines()
                     if ln.strip() and json.loads(ln)["step"] < self.step]
-            _atomic_write_bytes(log_path, "".join(ln + "\n" for ln in keep).encode())
+            atomic_write_bytes(log_path, "".join(ln + "\n" for ln in keep).encode())
         total = self.tr["steps"]
         stop = total if self.max_steps is None else min(total, self.max_steps)
         start = self.step

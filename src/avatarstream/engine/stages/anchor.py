@@ -23,7 +23,7 @@ class AppearanceAnchorStage(Stage):
         super().__init__()
         self.dit, self.refiner, self.enabled, self.ref_t_position = dit, refiner, enabled, ref_t_position
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
+    def run_one(self, rec: ChunkRecord, state: SessionState) -> None:
         if not self.enabled or state.anchor_added or rec.plan.id != 0:
             return
         e1 = rec.plan.emit[1]

@@ -1,25 +1,24 @@
-"""AudioToVideoStage: the VideoRef DiT denoises the chunk's low-resolution latents and motion
-tokens jointly with a few-step sampler, given frames held clean (frame-conditioning mask)."""
+"""AudioToVideoStage: the VideoRef DiT denoises the chunks' low-resolution latents and motion
+tokens jointly with a few-step sampler, given frames held clean (frame-conditioning mask).
+
+Batch-first: the chunks of B sessions with the same length run as one batch through the one
+guided denoiser (`engine/denoiser.py`); reference caches of different lengths are stacked with
+masked padding (`ReferenceCache.stack`, exact). A file render is a batch of one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from functools import partial
+
 import torch
 
+from avatarstream.cache.reference import ReferenceCache
+from avatarstream.engine.denoiser import Guidance, GuidedDenoiser
 from avatarstream.engine.module import Module
 from avatarstream.engine.session import SessionState
-from avatarstream.engine.stage import ChunkRecord, Stage
-from avatarstream.models.dit import DiTCondition
+from avatarstream.engine.stage import ChunkRecord, Item, Stage
 from avatarstream.samplers import flow_sigmas, sample_euler, sample_stochastic_euler
-
-
-def pack(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Latents [B,C,T,h,w] and motion [B,T,Dm] as one flat state [B, N] for the samplers."""
-    return torch.cat([x.flatten(1), m.flatten(1)], dim=1)
-
-
-def unpack(flat: torch.Tensor, x_shape: torch.Size, m_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-    n = x_shape[1:].numel()
-    return flat[:, :n].reshape(x_shape), flat[:, n:].reshape(m_shape)
 
 
 def scene_anchor(state: SessionState) -> torch.Tensor | None:
@@ -28,25 +27,11 @@ def scene_anchor(state: SessionState) -> torch.Tensor | None:
     return None if scene is None else scene[0]
 
 
-def guided_velocity(velocity, audio: torch.Tensor, ref, cfg: tuple[float, float] | None  # type: ignore[no-untyped-def]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v, motion v) of `velocity(audio_tokens, reference)` with classifier-free guidance on the
-    streams the DiT was trained to drop (a2v `p_drop_audio`: zero audio tokens; `p_drop_ref`: no
-    reference), the same combination CFG distillation learns (train/tasks.py CFGDistillTask):
-
-        v = v(∅, ∅) + ref_scale · (v(∅, r) − v(∅, ∅)) + audio_scale · (v(a, r) − v(∅, r))
-
-    cfg None: the plain v(a, r), one pass. Reference scale 1 skips the v(∅, ∅) pass."""
-    full = velocity(audio, ref)
-    if cfg is None:
-        return full
-    sa, sr = cfg
-    no_a = velocity(torch.zeros_like(audio), ref)
-    base = no_a
-    if sr != 1.0:
-        none = velocity(torch.zeros_like(audio), None)
-        base = tuple(n + sr * (r - n) for r, n in zip(no_a, none))  # type: ignore[assignment]
-    return tuple(b + sa * (f - r) for f, r, b in zip(full, no_a, base))  # type: ignore[return-value]
+def batch_text(states: Sequence[SessionState]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sessions' text tokens `[B, L, Dt]` and mask `[B, L]` (None when any has none)."""
+    text = torch.cat([s.text for s in states], 0)
+    masks = [s.text_mask for s in states]
+    return text, None if any(m is None for m in masks) else torch.cat(masks, 0)
 
 
 class AudioToVideoStage(Stage):
@@ -63,52 +48,41 @@ class AudioToVideoStage(Stage):
         `guided_velocity`): two forward passes a step, three when the reference scale is not 1."""
         super().__init__()
         self.dit = dit
-        self.distilled = guidance_input
-        scales = None if guidance is None else torch.tensor([guidance], dtype=torch.float32)  # [1, 2]
-        self.guidance = scales if self.distilled else None  # the distilled DiT's input
-        self.cfg = None if self.distilled or guidance is None else (float(guidance[0]), float(guidance[1]))
+        self.guidance = Guidance(guidance, distilled=guidance_input)
         self.sigmas = flow_sigmas(steps, shift)
         self.sampler = sampler
         self.overshoot = overshoot
         self.seed = seed
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
-        plan = rec.plan
-        x = rec.sigma_noise.clone()  # [1, C, T, h, w]
-        m = rec.motion_noise.clone()  # [1, T, Dm]
-        for idx, lat, mot in state.store.given(plan):
-            x[:, :, idx] = lat
-            m[:, idx] = mot
-        given = rec.given[0]  # [T]
-        x_clean, m_clean = x[:, :, given].clone(), m[:, given].clone()
-        t_pos = torch.arange(plan.length, dtype=torch.float32)
-        audio, text, text_mask, ref = rec.audio, state.text, state.text_mask, state.dit_reference
-        anchor = scene_anchor(state)
+    def batch_key(self, rec: ChunkRecord, state: SessionState) -> Hashable | None:
+        return ("length", rec.plan.length)
 
-        def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            xs, ms = unpack(flat, x.shape, m.shape)
-            xs, ms = xs.clone(), ms.clone()
-            xs[:, :, given], ms[:, given] = x_clean, m_clean  # given frames stay clean
-            sig = torch.full((1, plan.length), float(sigma))
-            sig[:, given] = 0.0
-
-            def velocity(tokens: torch.Tensor, reference):  # type: ignore[no-untyped-def]
-                cond = DiTCondition(motion=ms, audio=tokens, text=text, text_mask=text_mask, t_pos=t_pos,
-                                    guidance=self.guidance, anchor=anchor)
-                out = self.dit.call("forward", xs, sig, cond, reference)
-                return out.velocity.float(), out.motion_velocity.float()
-
-            v, mv = guided_velocity(velocity, audio, ref, self.cfg)
-            v[:, :, given], mv[:, given] = 0.0, 0.0
-            return pack(v, mv)
-
-        state0 = pack(x, m)
+    def run(self, items: Sequence[Item]) -> None:
+        xs, ms = [], []
+        for rec, state in items:
+            x, m = rec.sigma_noise.clone(), rec.motion_noise.clone()  # [1, C, T, h, w], [1, T, Dm]
+            for idx, lat, mot in state.store.given(rec.plan):
+                x[:, :, idx] = lat
+                m[:, idx] = mot
+            xs.append(x)
+            ms.append(m)
+        states = [state for _, state in items]
+        anchors = [scene_anchor(s) for s in states]
+        text, text_mask = batch_text(states)
+        den = GuidedDenoiser(
+            partial(self.dit.call, "forward"), torch.cat(xs, 0), torch.cat(ms, 0),
+            torch.cat([rec.given for rec, _ in items], 0),  # [B, T] bool
+            audio=torch.cat([rec.audio for rec, _ in items], 0),  # [B, T, A, Da]
+            text=text, text_mask=text_mask,
+            reference=ReferenceCache.stack([s.dit_reference for s in states]),
+            anchor=None if any(a is None for a in anchors) else torch.cat(anchors, 0),  # [B, C, h, w]
+            guidance=self.guidance)
         if self.sampler == "euler":
-            out = sample_euler(denoise, state0, self.sigmas)
+            out = sample_euler(den, den.initial(), self.sigmas)
         else:
-            g = torch.Generator().manual_seed(self.seed * 7919 + plan.id)
-            out = sample_stochastic_euler(denoise, state0, self.sigmas, overshoot=self.overshoot,
-                                          generator=g)
-        xo, mo = unpack(out, x.shape, m.shape)
-        xo[:, :, given], mo[:, given] = x_clean, m_clean
-        rec.lr_latents, rec.motion = xo, mo
+            gens = [torch.Generator().manual_seed(self.seed * 7919 + rec.plan.id) for rec, _ in items]
+            out = sample_stochastic_euler(den, den.initial(), self.sigmas, overshoot=self.overshoot,
+                                          generator=gens)
+        xo, mo = den.clamp(out)
+        for i, (rec, _) in enumerate(items):
+            rec.lr_latents, rec.motion = xo[i : i + 1], mo[i : i + 1]

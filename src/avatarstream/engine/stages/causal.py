@@ -61,7 +61,7 @@ class CausalDenoiseStage(Stage):
         self.dit, self.steps, self.shift, self.settings = dit, steps, shift, settings
         self.sampler, self.overshoot, self.seed = sampler, overshoot, seed
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
+    def run_one(self, rec: ChunkRecord, state: SessionState) -> None:
         if state.causal is None:
             state.causal = new_denoiser(self.dit, state, steps=self.steps, shift=self.shift,
                                         settings=self.settings, sampler=self.sampler,

@@ -17,7 +17,7 @@ class ContextStage(Stage):
         super().__init__()
         self.c, self.hw, self.dm, self.seed = latent_channels, latent_size, motion_dim, seed
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
+    def run_one(self, rec: ChunkRecord, state: SessionState) -> None:
         plan = rec.plan
         rec.audio = state.audio.tokens(plan.positions)  # [1, T, A, Da]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + plan.id)

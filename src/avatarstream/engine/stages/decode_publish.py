@@ -1,107 +1,88 @@
 """DecodePublishStage: streaming causal-VAE decode of the refined latents, in timeline order,
 trimmed to the audio's length, then published (frames carry their index: pts = index / fps).
 
-**Overlapped decode** (`DecodeWorker`): on a CPU the decoder is the largest single cost of a
-chunk at 256 px, and the chunk loop is a chain of small ops that two cores share poorly (intra-op
-threading of thin convolutions and 500-token attention gains little). With a worker thread the
-decode of chunk k runs on its own core while the DiT and the refiner make chunk k+1: the same
-ops on the same data in the same order (the conv cache is touched by the worker alone), so the
-video is bit-identical to the inline decode (tests/test_engine.py), and at most one chunk of
-latents waits in between (constant memory, back-pressure on the loop). The first chunk is
-decoded inline, with every core, so time to first frame is not held back (measured on 2 AVX2
-cores, 256 px, the 11.4M-parameter model: inline 1.05x real time, TTFF 1.28 s; the worker from
-the first chunk 1.10x, TTFF 1.91 s; from the second chunk on 1.11x, TTFF 1.31 s).
+Batch-first: `prepare` takes what the chunks publish from each session's rolling store (in the
+caller's thread: the store is the denoising thread's) into a `DecodeJob`, which groups the entries
+of different sessions that share a conv-cache layout into one decode call (`ConvCache.stack` /
+`split`); a session's own entries stay in order, one group after the other.
+
+**Overlapped decode**: with a worker (`BackgroundWorker`, given by the executor) the job runs on a
+thread of its own while the next chunks are denoised. On a CPU the decoder is the largest single
+cost of a chunk at 256 px, and the chunk loop is a chain of small ops that two cores share poorly;
+with the worker, the decode of chunk k runs on its own core while the DiT and the refiner make
+chunk k+1: the same ops on the same data in the same order (only the worker touches the conv
+caches and `frames_published` of the sessions it decodes), so the video is bit-identical to the
+inline decode (tests/engine), and at most one job waits in between (constant memory,
+back-pressure). A session's first frames are decoded inline, with every core, so time to first
+frame is not held back (measured on 2 AVX2 cores, 256 px, the 11.4M-parameter model: inline 1.05x
+real time, TTFF 1.28 s; the worker from the first chunk 1.10x, TTFF 1.91 s; from the second chunk
+on 1.11x, TTFF 1.31 s).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from avatarstream.cache.conv import ConvCache
 from avatarstream.engine.module import Module
-from avatarstream.engine.publisher import Publisher
 from avatarstream.engine.session import SessionState
-from avatarstream.engine.stage import ChunkRecord, Stage
+from avatarstream.engine.stage import Item, Stage
+from avatarstream.engine.worker import BackgroundWorker
 
 
-def to_uint8_frames(video: torch.Tensor) -> "np.ndarray":  # noqa: F821
+def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
     """[3, F, H, W] in [-1, 1] -> [F, H, W, 3] uint8."""
     v = ((video.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
     return v.permute(1, 2, 3, 0).contiguous().numpy()
 
 
 @dataclass
-class _Decoder:
+class _Entry:
+    state: SessionState
+    hr: torch.Tensor  # [1, C, E, H/8, W/8] refined latents
+    start: int  # timeline frame of the first decoded frame
+    frames: int  # frames to publish (the rest, past the end of the audio, are dropped)
+
+    def key(self) -> tuple:
+        return tuple(self.hr.shape), self.state.vae_cache.layout(), self.start == 0
+
+
+@dataclass
+class DecodeJob:
+    """Decodes and publishes groups of entries, one VAE call per group, groups in order."""
+
     vae: Module
-    publisher: Publisher
     fps: int
+    groups: list[list[_Entry]] = field(default_factory=list)
 
-    def decode_publish(self, hr: torch.Tensor, state: SessionState, total_frames: int | None) -> None:
-        """Decode one emitted chunk `[1, C, E, H/8, W/8]` against the session's conv cache and
-        publish its frames, trimmed to `total_frames` (the output's length once the audio ended,
-        as the loop knew it when the chunk was emitted)."""
-        start = state.frames_published
-        if total_frames is not None and start >= total_frames:
-            return  # past the end of the audio: nothing to show
-        frames = self.vae.call("decode_step", hr, state.vae_cache)  # [1, 3, F, H, W]
-        n = frames.shape[2]
-        if total_frames is not None:
-            n = min(n, total_frames - start)
-        self.publisher.put_video(to_uint8_frames(frames[0, :, :n]), start, self.fps)
-        state.frames_published += n
+    @property
+    def states(self) -> list[SessionState]:
+        return [e.state for g in self.groups for e in g]
 
-
-_STOP = object()
-
-
-class DecodeWorker:
-    """A thread that decodes and publishes the chunks handed to it, in order.
-
-    `submit` blocks while one chunk already waits (back-pressure); an error raised in the thread
-    resurfaces in the caller at the next `submit` or at `join`. Only this thread touches the
-    session's VAE conv cache and `frames_published` while it runs."""
-
-    def __init__(self, decoder: _Decoder, state: SessionState) -> None:
-        self._decoder, self._state = decoder, state
-        self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
-        self.seconds, self.calls = 0.0, 0  # time spent decoding + publishing, chunks handled
-        self._thread = threading.Thread(target=self._loop, name="avatarstream-decode", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is _STOP:
+    def add(self, entry: _Entry) -> None:
+        """Into the first group after this session's last one whose entries decode alike."""
+        after = max((i for i, g in enumerate(self.groups) if any(e.state is entry.state for e in g)),
+                    default=-1)
+        for g in self.groups[after + 1 :]:
+            if g[0].key() == entry.key():
+                g.append(entry)
                 return
-            if self._error is not None:
-                continue  # keep draining so the producer never blocks
-            try:
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    self._decoder.decode_publish(job[0], self._state, job[1])
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-            except BaseException as e:  # noqa: BLE001 - re-raised in the producer
-                self._error = e
+        self.groups.append([entry])
 
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def submit(self, hr: torch.Tensor, total_frames: int | None) -> None:
-        self._raise()
-        self._q.put((hr, total_frames))
-
-    def join(self) -> None:
-        """Wait for every submitted chunk, stop the thread, re-raise its error if any."""
-        self._q.put(_STOP)
-        self._thread.join()
-        self._raise()
+    def run(self) -> None:
+        for group in self.groups:
+            caches = [e.state.vae_cache for e in group]
+            cache = ConvCache.stack(caches)
+            frames = self.vae.call("decode_step", torch.cat([e.hr for e in group], 0), cache)
+            ConvCache.split(cache, caches)
+            for i, e in enumerate(group):
+                n = max(0, min(e.frames, frames.shape[2]))
+                e.state.publisher.put_video(to_uint8_frames(frames[i, :, :n]), e.start, self.fps)
+                e.state.frames_published = e.start + n
 
 
 class DecodePublishStage(Stage):
@@ -109,27 +90,37 @@ class DecodePublishStage(Stage):
     reads = ("hr_latents",)
     writes = ()
 
-    def __init__(self, vae: Module, publisher: Publisher, *, fps: int) -> None:
+    def __init__(self, vae: Module, *, fps: int) -> None:
         super().__init__()
-        self.vae, self.publisher, self.fps = vae, publisher, fps  # read by serve/batch.py too
-        self.decoder = _Decoder(vae, publisher, fps)
-        self.worker: DecodeWorker | None = None
+        self.vae, self.fps = vae, fps
+        self.worker: BackgroundWorker | None = None  # set by the executor: overlapped decode
 
-    def start_worker(self, state: SessionState) -> DecodeWorker:
-        """Decode on a thread of its own from now on (see the module docstring)."""
-        self.worker = DecodeWorker(self.decoder, state)
-        return self.worker
+    def batch_key(self, rec, state):  # type: ignore[no-untyped-def]
+        return "decode"  # one job per round; `DecodeJob` groups what decodes alike
 
-    def run(self, rec: ChunkRecord, state: SessionState) -> None:
-        for cid in rec.plan.publish:
-            hr = state.store.take_emitted(cid)  # [1, C, E, H/8, W/8]
-            # causal VAE: the stream's first latent is one frame, every later one four
-            n = 4 * hr.shape[2] - (3 if state.frames_emitted == 0 else 0)
-            end = state.frames_emitted + n
-            state.frames_emitted = end if state.total_frames is None else min(end, state.total_frames)
-            # the first frames are decoded here, with every core: time to first frame is not
-            # held back by the next chunk's work; the worker takes over from the second chunk
-            if self.worker is not None and state.frames_published > 0:
-                self.worker.submit(hr, state.total_frames)
-            else:
-                self.decoder.decode_publish(hr, state, state.total_frames)
+    def prepare(self, items: Sequence[Item]) -> DecodeJob:
+        """Take every chunk the items publish from the store; advance `frames_emitted`."""
+        job = DecodeJob(self.vae, self.fps)
+        for rec, state in items:
+            for cid in rec.plan.publish:
+                hr = state.store.take_emitted(cid)  # [1, C, E, H/8, W/8]
+                start = state.frames_emitted
+                # causal VAE: the stream's first latent decodes to one frame, every later one four
+                n = 4 * hr.shape[2] - (3 if start == 0 else 0)
+                if state.total_frames is not None:
+                    n = max(0, min(n, state.total_frames - start))
+                state.frames_emitted = start + n
+                if n > 0:  # past the end of the audio: nothing to show
+                    job.add(_Entry(state, hr, start, n))
+        return job
+
+    def run(self, items: Sequence[Item]) -> None:
+        job = self.prepare(items)
+        if not job.groups:
+            return
+        if self.worker is not None and all(e.start > 0 for g in job.groups for e in g):
+            self.worker.submit(job.run, tag=job.states)
+            return
+        if self.worker is not None:
+            self.worker.wait()  # what is decoded here comes after what the thread still has
+        job.run()

@@ -1,0 +1,120 @@
+"""PreparedReference: an avatar's reference, encoded once for one model and kept on disk.
+
+What the engine's ReferenceStage computes at the start of every request (VAE latents at both
+resolutions -> the DiT's and the SR refiner's per-layer reference K/V, with the validity mask) is
+computed here once per (avatar, model) and saved as one safetensors file; every later session of
+that avatar, in this process or after a restart, loads it instead of encoding again. The text
+tokens of the prompt are cheap and model-global, so they are not part of it.
+
+File layout (tensor names): `{dit,refiner}.k.{layer}`, `{dit,refiner}.v.{layer}`,
+`{dit,refiner}.motion`, `{dit,refiner}.t_pos`, optionally `{dit,refiner}.key_valid`, and the scene
+frame `scene.lr` [1, C, h, w] / `scene.motion` [1, Dm] (format 2); the metadata holds the model
+name, the layer count and the tokens per frame. A file of an older format is not loaded (the
+avatar store encodes the reference again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from avatarstream.cache.reference import ReferenceCache
+from avatarstream.engine.config import ModelSet
+from avatarstream.engine.session import SessionState
+from avatarstream.engine.stages.reference import ReferenceStage
+
+FORMAT = "avatarstream-prepared-reference-2"
+
+
+@dataclass
+class PreparedReference:
+    model: str
+    dit: ReferenceCache
+    refiner: ReferenceCache | None  # None: a direct model (no refiner)
+    scene_lr: torch.Tensor  # [1, C, h, w] the scene frame (ReferenceStage)
+    scene_motion: torch.Tensor  # [1, Dm]
+
+    def apply(self, state: SessionState) -> None:
+        """Put the prepared caches and scene frame into a new session's rolling state."""
+        state.dit_reference, state.refiner_reference = self.dit, self.refiner
+        state.store.set_scene(self.scene_lr, self.scene_motion)
+
+    def nbytes(self) -> int:
+        return (self.dit.nbytes() + (0 if self.refiner is None else self.refiner.nbytes())
+                + self.scene_lr.numel() * 4
+                + self.scene_motion.numel() * 4)
+
+
+def prepare_reference(models: ModelSet, frames: torch.Tensor) -> PreparedReference:
+    """Encode reference frames [F, 3, H, W] uint8 (at hr_size) once: the ReferenceStage's work.
+
+    Raises InputError when no frame is usable (blank reference)."""
+    c = models.config
+    state = SessionState()
+    with torch.inference_mode():
+        ReferenceStage(models.dit, models.refiner, models.vae, models.text, lr_size=c.lr_size,
+                       ref_t_position=c.ref_t_position).run(state, frames, "")
+    scene = state.store.scene()
+    assert scene is not None  # ReferenceStage always sets it
+    return PreparedReference(models.name, state.dit_reference, state.refiner_reference, *scene)
+
+
+def _flatten(prefix: str, cache: ReferenceCache, out: dict[str, torch.Tensor]) -> None:
+    for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+        out[f"{prefix}.k.{i}"] = k.clone(memory_format=torch.contiguous_format)
+        out[f"{prefix}.v.{i}"] = v.clone(memory_format=torch.contiguous_format)
+    out[f"{prefix}.motion"] = cache.motion.clone(memory_format=torch.contiguous_format)
+    out[f"{prefix}.t_pos"] = cache.t_pos.clone()
+    if cache.key_valid is not None:
+        out[f"{prefix}.key_valid"] = cache.key_valid.to(torch.uint8).contiguous()
+
+
+def _unflatten(prefix: str, tensors: dict[str, torch.Tensor], layers: int,
+               tokens_per_frame: int) -> ReferenceCache:
+    kv = tensors.get(f"{prefix}.key_valid")
+    return ReferenceCache(
+        k=[tensors[f"{prefix}.k.{i}"] for i in range(layers)],
+        v=[tensors[f"{prefix}.v.{i}"] for i in range(layers)],
+        motion=tensors[f"{prefix}.motion"],
+        t_pos=tensors[f"{prefix}.t_pos"],
+        tokens_per_frame=tokens_per_frame,
+        key_valid=None if kv is None else kv.to(torch.bool),
+    )
+
+
+def save_prepared(ref: PreparedReference, path: str | Path) -> None:
+    """Write atomically (a temporary file renamed into place): a crash leaves no half file."""
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    _flatten("dit", ref.dit, tensors)
+    if ref.refiner is not None:
+        _flatten("refiner", ref.refiner, tensors)
+    tensors["scene.lr"] = ref.scene_lr.float().contiguous()
+    tensors["scene.motion"] = ref.scene_motion.float().contiguous()
+    meta = {"format": FORMAT, "model": ref.model,
+            "dit_layers": str(len(ref.dit.k)), "dit_tokens": str(ref.dit.tokens_per_frame)}
+    if ref.refiner is not None:
+        meta.update(refiner_layers=str(len(ref.refiner.k)), refiner_tokens=str(ref.refiner.tokens_per_frame))
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def load_prepared(path: str | Path) -> PreparedReference:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a prepared reference ({meta.get('format')!r})")
+    t = load_file(str(path))
+    return PreparedReference(
+        meta["model"],
+        _unflatten("dit", t, int(meta["dit_layers"]), int(meta["dit_tokens"])),
+        (_unflatten("refiner", t, int(meta["refiner_layers"]), int(meta["refiner_tokens"]))
+         if "refiner_layers" in meta else None),
+        t["scene.lr"], t["scene.motion"],
+    )

@@ -1,0 +1,170 @@
+"""Render jobs: non-live use of the same model — an avatar + speech -> an MP4 file, with progress.
+
+A job is a TalkSegment over the whole audio (no pacing: as fast as the machine allows) publishing
+into a fragmented MP4 (playable while it is written). The ChunkScheduler runs one of its chunks
+whenever no live session has a chunk due, so renders use the spare time and never make a live
+session late. States: queued -> running -> done | failed | cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from avatarstream.engine.executor import LocalExecutor
+from avatarstream.engine.config import ModelSet
+from avatarstream.engine.pipeline import default_stages
+from avatarstream.errors import InputError
+from avatarstream.media.frames import AudioChunk, VideoChunk
+from avatarstream.publish.file import FragmentedMP4Sink
+from avatarstream.live.prepared import PreparedReference
+from avatarstream.live.segment import TalkSegment
+from avatarstream.live.sinks import BackgroundSink
+
+log = logging.getLogger(__name__)
+
+
+def _pieces(audio: np.ndarray, piece: int, spf: int) -> Iterator[torch.Tensor]:
+    x = np.asarray(audio, np.float32).reshape(-1)
+    pad = (-x.size) % spf  # whole video frames, as a live utterance
+    x = np.concatenate([x, np.zeros(pad, np.float32)])
+    for i in range(0, x.size, piece):
+        yield torch.from_numpy(x[i : i + piece])
+
+
+@dataclass
+class RenderJob:
+    id: str
+    owner: str
+    path: Path
+    total_frames: int
+    state: str = "queued"
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    segment: TalkSegment | None = None
+    executor: LocalExecutor | None = None  # the engine's stages, decoded inline
+    sink: BackgroundSink | None = None
+    cancel_requested: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("done", "failed", "cancelled")
+
+    @property
+    def frames(self) -> int:
+        return 0 if self.segment is None else self.segment.frames_published
+
+    def as_dict(self) -> dict:
+        elapsed = ((self.finished or time.time()) - self.started) if self.started else 0.0
+        return {"id": self.id, "state": self.state, "frames": self.frames,
+                "total_frames": self.total_frames,
+                "progress": round(min(1.0, self.frames / max(1, self.total_frames)), 4),
+                "elapsed_s": round(elapsed, 3),
+                "fps": round(self.frames / elapsed, 2) if elapsed > 0 else 0.0,
+                "error": self.error, "output_url": f"/v1/renders/{self.id}/output"}
+
+    # -- the scheduler side ----------------------------------------------------------------------
+    def step(self) -> None:
+        if self.done or self.segment is None:
+            return
+        if self.cancel_requested:  # handled here, on the thread that writes the sink
+            self.state, self.finished = "cancelled", time.time()
+            if self.sink is not None:
+                self.sink.abort()
+            return
+        if self.state == "queued":
+            self.state, self.started = "running", time.time()
+        rec = self.segment.plan()
+        if rec is not None:
+            assert self.executor is not None
+            self.executor.run([(rec, self.segment.state)])
+            self.segment.finish(rec)
+        if rec is None or self.segment.done:
+            assert self.sink is not None
+            self.sink.close()
+            self.state, self.finished = "done", time.time()
+
+    def fail(self, error: BaseException) -> None:
+        self.state, self.finished = "failed", time.time()
+        self.error = str(error) if isinstance(error, InputError) else "the render failed"
+        if self.sink is not None:
+            self.sink.abort()
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop the job at its next step (it removes the partial file)."""
+        self.cancel_requested = True
+
+
+class _SinkOutlet:
+    def __init__(self, sink: BackgroundSink) -> None:
+        self.sink = sink
+
+    def put_video(self, frames: np.ndarray, start_frame: int, fps: int) -> None:
+        self.sink.write_video(VideoChunk(frames=frames, start_frame=start_frame, fps=fps))
+
+    def put_audio(self, samples: np.ndarray, start_sample: int, sample_rate: int) -> None:
+        self.sink.write_audio(AudioChunk(samples=samples, start_sample=start_sample,
+                                         sample_rate=sample_rate))
+
+
+class RenderManager:
+    def __init__(self, data_dir: Path, models: ModelSet, *, max_seconds: float = 600.0,
+                 max_jobs: int = 16) -> None:
+        self.dir = Path(data_dir) / "renders"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.models = models
+        self.max_seconds = max_seconds
+        self.max_jobs = max_jobs
+        self.jobs: dict[str, RenderJob] = {}
+        self._lock = threading.Lock()
+
+    def create(self, owner: str, prepared: PreparedReference, audio: np.ndarray) -> RenderJob:
+        """A queued job for `audio` (float32 16 kHz); InputError when it is empty or too long."""
+        c = self.models.config
+        seconds = audio.size / c.sample_rate
+        if audio.size == 0:
+            raise InputError("the audio is empty: give speech to render")
+        if seconds > self.max_seconds:
+            raise InputError(f"the audio is {seconds:.0f} s long; renders are limited to "
+                             f"{self.max_seconds:g} s")
+        with self._lock:
+            active = [j for j in self.jobs.values() if j.owner == owner and not j.done]
+            if len(active) >= self.max_jobs:
+                raise InputError(f"{len(active)} renders of this key are still running; wait "
+                                 f"for one to finish")
+        job_id = secrets.token_hex(12)
+        spf = c.sample_rate // c.fps
+        path = self.dir / f"{job_id}.mp4"
+        sink = BackgroundSink(FragmentedMP4Sink(path))
+        sink.open(c.hr_size, c.hr_size, c.fps, c.sample_rate)
+        text, mask = self.models.text.call("encode", [""])
+        seg = TalkSegment(self.models, prepared, text, mask,
+                          _pieces(audio, c.sample_rate // 5, spf), _SinkOutlet(sink), start_frame=0)
+        job = RenderJob(job_id, owner, path, -(-audio.size // spf), segment=seg, sink=sink,
+                        executor=LocalExecutor(default_stages(self.models, c)))
+        with self._lock:
+            self.jobs[job_id] = job
+        return job
+
+    def get(self, owner: str, job_id: str) -> RenderJob | None:
+        job = self.jobs.get(job_id)
+        return job if job is not None and job.owner == owner else None
+
+    def remove(self, job: RenderJob) -> None:
+        """Forget the job: a finished one's file is deleted, a running one is cancelled."""
+        with self._lock:
+            self.jobs.pop(job.id, None)
+        if job.done:
+            job.path.unlink(missing_ok=True)
+        else:
+            job.cancel()
