@@ -26,6 +26,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output .mp4 (fragmented: playable while it is written)")
     p.add_argument("--model", default=None,
                    help="model name (see `avatarstream models`; default: the bundled model, else tiny-random)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the models run (cuda: the first GPU; an error when there is none)")
     p.add_argument("--strategy", choices=["prefix", "interp", "causal"], default=None,
                    help="chunk continuity strategy (default: the model's); causal: blocks of 3 latent "
                         "frames with rolling KV caches (Live Avatar)")
@@ -118,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from avatarstream.engine.pipeline import Pipeline
+    from avatarstream.hardware import check_device
     from avatarstream.media.audio import AudioReader
     from avatarstream.media.reference import load_reference
     from avatarstream.publish.file import FragmentedMP4Sink, check_writable
@@ -125,6 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_device(args.device)
     # no --model: the bundled model, or its causal student for --strategy causal / --workers
     args.model = resolve_model(args.model, causal=args.strategy == "causal" or args.workers is not None)
     out = Path(args.out)
@@ -141,7 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     reader = AudioReader(args.audio, sample_rate=spec_cfg.sample_rate, max_seconds=args.max_audio_seconds)
     if args.workers is not None:
         return _generate_tpp(args, overrides, out)
-    models = load_model(args.model)
+    models = load_model(args.model, device=args.device)
     _configure(models, args)
     cfg = models.config
     if not args.threads:
@@ -263,8 +267,45 @@ def cmd_module(args: argparse.Namespace) -> int:
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list the models you can pass to --model")
+    p = sub.add_parser("models", help="list the models you can pass to --model; parity and download checks")
     p.set_defaults(func=cmd_models)
+    msub = p.add_subparsers(dest="models_command", metavar="COMMAND")
+    pp = msub.add_parser("parity", help="run our port on a parity fixture of the official code "
+                         "(shared/golden format); exit 1 when it is off by more than the tolerance")
+    pp.add_argument("fixture", help="a .safetensors fixture (format avatarstream-parity/1)")
+    pp.add_argument("--tolerance", type=float, default=None, help="max abs difference (default 1e-4)")
+    pp.add_argument("--json", action="store_true", help="print only the JSON line")
+    pp.set_defaults(func=cmd_models_parity)
+    pc = msub.add_parser("check", help="check a downloaded checkpoint folder from its file headers (no "
+                         "tensor is read): family, keys and shapes, sizes, memory needed; exit 1 when "
+                         "something is missing or wrong")
+    pc.add_argument("folder", help="SoulX-FlashHead-1_3B, one of its subfolders, wav2vec2-base-960h, or a "
+                    "folder holding them")
+    pc.add_argument("--json", action="store_true", help="print only the JSON line")
+    pc.set_defaults(func=cmd_models_check)
+
+
+def cmd_models_parity(args: argparse.Namespace) -> int:
+    from avatarstream.parity.fixture import TOLERANCE, run_parity
+
+    result = run_parity(args.fixture, tolerance=args.tolerance if args.tolerance is not None else TOLERANCE)
+    if not args.json:
+        for name, diff in result["outputs"].items():
+            print(f"{name}: max abs diff {diff:.3g}")
+        print(f"{result['family']}: {'pass' if result['pass'] else 'FAIL'} "
+              f"(max abs diff {result['max_abs_diff']:.3g}, tolerance {result['tolerance']:g})")
+    print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
+    return 0 if result["pass"] else 1
+
+
+def cmd_models_check(args: argparse.Namespace) -> int:
+    from avatarstream.weights.check import check_folder, describe
+
+    report = check_folder(args.folder)
+    if not args.json:
+        print(describe(report))
+    print(json.dumps(report))
+    return 0 if report["ok"] else 1
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from avatarstream.errors import ConfigError
+
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -42,6 +44,14 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
     if dev.type != "cpu":
         return False
     return any(f in _cpu_flags() for f in _CPU_BF16_FLAGS)
+
+
+def check_device(device: str) -> None:
+    """The `--device` of generate, serve, bench realtime and eval benchmark: "cuda" where torch
+    sees no CUDA GPU is a ConfigError up front (one line), not a failure deep in the first
+    tensor moved there. "cpu" is always fine."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA GPU is available to torch here; use --device cpu")
 
 
 def resolve_bf16(setting: bool | str | None, device: str | torch.device = "cpu") -> bool:

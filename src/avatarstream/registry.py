@@ -6,6 +6,8 @@
   the chunk loop at 256x256.
 - every bundled weights folder under `avatarstream/weights/` (config.json + the .safetensors),
   named after its folder, and any weights folder `train export` wrote, named by its path.
+- `flashhead-pro:DIR`, `flashhead-lite:DIR`: a SoulX-FlashHead-1.3B download in its official
+  layout (weights/flashhead_folder.py), which builds its own ModelSet (`ModelSpec.load`).
 
 Importing this module reads nothing: the bundled folders are found the first time a name is
 asked for or the models are listed (`MODELS` scans on first use), and weights are read only by
@@ -101,14 +103,20 @@ def available_models() -> list[str]:
 
 def model_spec_for(name: str) -> ModelSpec:
     """The registered model `name`, or a weights folder `train export` wrote (config.json and the
-    .safetensors), registered under its path the first time it is asked for."""
+    .safetensors), registered under its path the first time it is asked for, or an official
+    download named `flashhead-pro:DIR` / `flashhead-lite:DIR` (weights/flashhead_folder.py)."""
     spec = MODELS.get(name)
+    if spec is None and name.startswith("flashhead-"):  # flashhead-pro:DIR, an official download
+        from avatarstream.weights.flashhead_folder import flashhead_spec
+
+        spec = flashhead_spec(name)
     if spec is None and (Path(name) / "config.json").is_file():
         spec = model_spec(Path(name), name=name)
         MODELS[name] = spec
     if spec is None:
         raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}, "
-                          "or a weights folder made by `avatarstream train export`")
+                          "a weights folder made by `avatarstream train export`, or "
+                          "flashhead-pro:DIR (a SoulX-FlashHead-1_3B download)")
     return spec
 
 
@@ -127,6 +135,8 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> M
     (default: on for the small sizes where bf16 is fast on `device`: 2-3x fp32 on CPUs with
     AVX512-bf16, far slower without; `hardware.bf16_is_fast`)."""
     spec = model_spec_for(name)
+    if spec.load is not None:  # a family that builds its own modules (an official folder)
+        return spec.load(device, bf16)
     torch.manual_seed(spec.seed)
     nets = spec.networks()
     if spec.weights is None:

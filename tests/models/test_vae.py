@@ -191,6 +191,17 @@ def test_bench_vae_quick():
     assert res["stream_peak_mb"] > 0 and res["chunk_peak_mb"] > 0
 
 
+def test_bench_vae_wan_worker(tmp_path):
+    """`bench vae --wan`'s workers on the real-width Wan2.1 VAE at 16²: the whole and the
+    streamed decode (one latent a call) write the same frames, bit for bit."""
+    from avatarstream.bench import vae as bench
+
+    runs = {m: bench._worker(m, 3, 1, 0, str(tmp_path / f"{m}.f32"), "wan", 16) for m in ("whole", "stream")}
+    assert runs["stream"]["cache_nbytes"] > 0 and all(r["seconds"] > 0 for r in runs.values())
+    assert bench._max_abs_diff(tmp_path / "whole.f32", tmp_path / "stream.f32", 3 * 16 * 16) == 0.0
+    assert (tmp_path / "whole.f32").stat().st_size == 4 * 3 * 16 * 16 * (1 + 4 * 2)
+
+
 @pytest.mark.parametrize("shortcut", [False, True])
 def test_upsampler_on_the_small_picture_equals_nearest_then_conv(shortcut):
     """Upsample computes nearest ×2 + 3×3 conv (+ the pixel-shuffle shortcut) as one 3×3 conv on

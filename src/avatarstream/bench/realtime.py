@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--audio", default="examples/speech.mp3")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--strategy", default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where generate runs the models (cuda: the first GPU; an error when there is none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: generate's own: all cores, all but one for causal)")
     p.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported")
     p.add_argument("--decode-inline", action="store_true",
@@ -92,8 +94,10 @@ def summarise(summary: dict, process_s: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from avatarstream.hardware import check_device
     from avatarstream.registry import model_spec_for, resolve_model
 
+    check_device(args.device)
     model = resolve_model(args.model)
     for p in (args.reference, args.audio):
         if not Path(p).is_file():
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.repeat):
         summary, process_s, out = generate_once(model, args.reference, args.audio, steps=args.steps,
                                                 strategy=args.strategy, threads=args.threads,
-                                                extra=["--decode-inline"] if args.decode_inline else None)
+                                                extra=["--device", args.device] + (["--decode-inline"] if args.decode_inline else []))
         out.unlink(missing_ok=True)
         out.parent.rmdir()
         r = summarise(summary, process_s)
@@ -115,4 +119,4 @@ def run(args: argparse.Namespace) -> dict:
     pipe = model_spec_for(model).pipeline()
     return {**best, "model": model, "steps": args.steps or pipe.steps, "strategy": args.strategy or pipe.strategy,
             "threads": best["threads"], "resolution": pipe.hr_size,
-            "decode_overlap": not args.decode_inline}
+            "decode_overlap": not args.decode_inline, "device": args.device}

@@ -35,6 +35,19 @@ given back on free: RSS then tracks the live tensors (measured 60 s: 16 MB vs 18
 0.92), at the price of page faults (streaming fps ≈ 2× lower at this tiny size). A serving
 process that wants the tight bound should run with the same setting (or jemalloc/tcmalloc);
 `--malloc default` measures glibc as is.
+
+`--wan` adds the Wan2.1 VAE (FlashHead Pro's and LiveAvatar's) at its real width (dim 96, random
+weights, fp32) under the key "wan", at 256² and 512² (`--wan-sizes`), in the same fresh-process
+workers: `wan-whole` is `vae.decode(z)` of all latents at once, the official whole decode (which
+itself goes latent by latent through a fresh cache and concatenates); `wan-stream` is
+`decode_step` one latent at a time with one cache, each chunk's frames written out and dropped, as
+the engine streams. Streaming runs at two durations (`--wan-latents`, default 2 and 3 latents: 5
+and 9 frames, the shortest that show a peak independent of duration: every latent after the
+first decodes the same 4 frames with the same cache), the whole decode at the longer one. Reported per size: `fps_ratio` = stream fps /
+whole fps at the longer duration (target ≥ 0.8), `stream_peak_mb` at both durations and
+`peak_growth` (longer / shorter; flat ≈ 1), `whole_peak_mb`, and `max_abs_diff` (whole vs stream,
+expected 0: the same operations). At 512² a latent costs several TFLOP, so on a 2-core CPU the
+section takes minutes; it is off by default for that reason.
 """
 
 from __future__ import annotations
@@ -52,7 +65,8 @@ from pathlib import Path
 
 import numpy as np
 
-HELP = "streaming vs whole causal-VAE decode of 60 s: max abs diff and peak-memory ratio"
+HELP = ("streaming vs whole causal-VAE decode of 60 s: max abs diff and peak-memory ratio "
+        "(--wan: also the Wan2.1 VAE at 256² and 512²)")
 
 FPS = 25
 SIZE = 64  # tiny config's resolution (latent 8×8)
@@ -68,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="2 s of video instead of --seconds, the three workers run "
                              "concurrently (smoke test: memory numbers valid, fps not)")
+    parser.add_argument("--wan", action="store_true",
+                        help="also the Wan2.1 VAE at its real width (slow on a CPU: minutes)")
+    parser.add_argument("--wan-sizes", type=int, nargs="+", default=[256, 512], metavar="PX",
+                        help="--wan: frame sizes (multiples of 8)")
+    parser.add_argument("--wan-latents", type=int, nargs=2, default=[2, 3], metavar=("SHORT", "LONG"),
+                        help="--wan: latent frames of the two streaming durations (the whole decode "
+                             "runs the longer)")
 
 
 def latent_frames(seconds: float, fps: int = FPS) -> int:
@@ -99,18 +120,27 @@ def _peak_kb(reset_ok: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
 
 
-def _worker(mode: str, latents: int, chunk: int, seed: int, out: str | None) -> dict:
+def _worker(mode: str, latents: int, chunk: int, seed: int, out: str | None, model: str = "tiny",
+            size: int = SIZE) -> dict:
     import torch
 
-    from avatarstream.models.vae import CausalVAE, VAEConfig
+    if model == "wan":  # the Wan2.1 VAE at its real width; PyTorch's default init drawn from `seed`
+        from avatarstream.models.wan.vae import WanVAE, WanVAEConfig
 
-    vae = CausalVAE(VAEConfig.tiny()).init_random_(seed).eval()
+        torch.manual_seed(seed)
+        vae = WanVAE(WanVAEConfig()).eval()
+        z_channels, warm = vae.cfg.z_dim, 1  # warm up on the first latent alone (1 frame: cheap)
+    else:
+        from avatarstream.models.vae import CausalVAE, VAEConfig
+
+        vae = CausalVAE(VAEConfig.tiny()).init_random_(seed).eval()
+        z_channels, warm = vae.cfg.z_channels, 2
     g = torch.Generator().manual_seed(seed + 1)
-    z = torch.randn(1, vae.cfg.z_channels, latents, SIZE // 8, SIZE // 8, generator=g)
+    z = torch.randn(1, z_channels, latents, size // 8, size // 8, generator=g)
     sink = open(out, "wb") if out else None
     cache_nbytes = 0
     with torch.inference_mode():
-        vae.decode_step(z[:, :, :2], vae.new_cache())  # warm-up: kernels, thread pool
+        vae.decode_step(z[:, :, :warm], vae.new_cache())  # warm-up: kernels, thread pool
         gc.collect()
         reset_ok = _reset_peak()
         base = _rss_kb()
@@ -146,10 +176,10 @@ MMAP_THRESHOLD = 1 << 20  # bytes; glibc allocations above this are mmap'd and r
 
 
 def _start(mode: str, latents: int, chunk: int, seed: int, out: Path | None,
-           malloc: str) -> subprocess.Popen:
-    """Start one worker in a fresh process."""
+           malloc: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start one worker in a fresh process (`extra`: more worker arguments, e.g. the model)."""
     cmd = [sys.executable, "-m", "avatarstream.bench.vae", "--worker", mode,
-           "--latents", str(latents), "--chunk", str(chunk), "--seed", str(seed)]
+           "--latents", str(latents), "--chunk", str(chunk), "--seed", str(seed), *extra]
     if out is not None:
         cmd += ["--out", str(out)]
     env = dict(os.environ)
@@ -195,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
         whole, stream, chunk = res["whole"], res["stream"], res["chunk"]
         diff = _max_abs_diff(tmp / "whole.f32", tmp / "stream.f32", 3 * SIZE * SIZE)
     mb = 1024.0
-    return {
+    result = {
         "config": "tiny",
         "size": SIZE,
         "seconds": seconds,
@@ -213,6 +243,39 @@ def run(args: argparse.Namespace) -> dict:
         "memory_method": "VmHWM after clear_refs" if stream["hwm_reset"] else "ru_maxrss",
         "malloc": args.malloc,
     }
+    if getattr(args, "wan", False):
+        result["wan"] = _run_wan(args)
+    return result
+
+
+def _run_wan(args: argparse.Namespace) -> dict:
+    """The Wan2.1 VAE section (see the module docstring): per size, streaming at two durations
+    and the whole decode at the longer, each in a fresh worker, one after another (timings)."""
+    short, long = args.wan_latents
+    sizes: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for size in args.wan_sizes:
+            extra = ("--model", "wan", "--size", str(size))
+            runs = {name: _finish(f"wan {name}", _start(mode, t, 1, args.seed, tmp / f"{name}.f32",
+                                                        args.malloc, extra))
+                    for name, mode, t in (("short", "stream", short), ("stream", "stream", long),
+                                          ("whole", "whole", long))}
+            s1, s2, whole = runs["short"], runs["stream"], runs["whole"]
+            frames = 1 + 4 * (long - 1)
+            sizes[str(size)] = {
+                "frames": [1 + 4 * (short - 1), frames],
+                "stream_fps": round(frames / s2["seconds"], 3),
+                "whole_fps": round(frames / whole["seconds"], 3),
+                "fps_ratio": round(whole["seconds"] / s2["seconds"], 3),
+                "stream_peak_mb": [round(s1["extra_kb"] / 1024, 1), round(s2["extra_kb"] / 1024, 1)],
+                "peak_growth": round(s2["extra_kb"] / max(s1["extra_kb"], 1), 3),
+                "whole_peak_mb": round(whole["extra_kb"] / 1024, 1),
+                "cache_mb": round(s2["cache_nbytes"] / 2**20, 1),
+                "max_abs_diff": _max_abs_diff(tmp / "whole.f32", tmp / "stream.f32", 3 * size * size),
+            }
+    return {"config": "wan2.1 (dim 96, z 16), random weights, fp32", "chunk": 1,
+            "latent_frames": [short, long], "sizes": sizes}
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -222,8 +285,10 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--model", choices=("tiny", "wan"), default="tiny")
+    p.add_argument("--size", type=int, default=SIZE)
     a = p.parse_args(argv)
-    print(json.dumps(_worker(a.worker, a.latents, a.chunk, a.seed, a.out)))
+    print(json.dumps(_worker(a.worker, a.latents, a.chunk, a.seed, a.out, a.model, a.size)))
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from avatarstream.engine.causal import CausalSettings
 from avatarstream.engine.module import Module
@@ -49,6 +50,9 @@ class PipelineConfig:
     # reference's first usable frame: Avatar V's driving first frame); False: reference only
     scene_frame: bool = True
     seed: int = 0
+    # handoff (FlashHead): Lab colour correction of every decoded frame to the reference (0: off)
+    color_strength: float = 1.0
+    latent_stride: int = 4  # video frames per latent after the first (the VAE's; LTX: 8)
     ref_t_position: float = -8.0
     fps: int = 25
     sample_rate: int = 16000
@@ -92,6 +96,11 @@ class ModelSet:
     text: Module
     config: PipelineConfig
     make_audio_stream: Callable[[], object]  # -> StreamingAudioFeatures for a new session
+    # a model family with its own chunk work (FlashHead): its stage builder, used instead of
+    # `pipeline.default_stages`, and its reference stage, instead of `ReferenceStage` (a builder
+    # (models, config) -> an object with `run(state, frames, prompt, scene)`); None: ours
+    stages: Callable[[ModelSet, PipelineConfig], list] | None = None
+    reference: Callable[[ModelSet, PipelineConfig], Any] | None = None
 
     def modules(self) -> list[Module]:
         return [m for m in (self.dit, self.refiner, self.vae, self.audio, self.text) if m is not None]

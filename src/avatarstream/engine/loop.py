@@ -28,7 +28,8 @@ from avatarstream.engine.stages.context import ContextStage
 def make_config_schedule(c: PipelineConfig) -> ContinuitySchedule:
     """The continuity schedule a pipeline config asks for."""
     return make_schedule(c.strategy, c.chunk, overlap=c.overlap, gap=c.interp_gap,
-                         anchor=c.interp_anchor, block=c.block, scene=c.scene_frame)
+                         anchor=c.interp_anchor, block=c.block, scene=c.scene_frame,
+                         stride=c.latent_stride)
 
 
 def context_stage(c: PipelineConfig) -> ContextStage:

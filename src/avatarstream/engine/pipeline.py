@@ -106,7 +106,10 @@ def output_stages(m: ModelSet, c: PipelineConfig) -> list[Stage]:
 
 
 def default_stages(m: ModelSet, c: PipelineConfig) -> list[Stage]:
-    """The model stages of the chunk loop, all in this process (Context runs in `ChunkLoop`)."""
+    """The model stages of the chunk loop, all in this process (Context runs in `ChunkLoop`);
+    a model family that brings its own (`ModelSet.stages`) gets those."""
+    if m.stages is not None:
+        return m.stages(m, c)
     if c.strategy == "causal":
         denoise: Stage = CausalDenoiseStage(m.dit, steps=c.steps, shift=c.shift,
                                             settings=c.causal_settings(), sampler=c.sampler,
@@ -116,6 +119,13 @@ def default_stages(m: ModelSet, c: PipelineConfig) -> list[Stage]:
                                     overshoot=c.overshoot, seed=c.seed, guidance=c.guidance,
                                     guidance_input=c.guidance_input)
     return [denoise, *output_stages(m, c)]
+
+
+def reference_stage(m: ModelSet, c: PipelineConfig):  # type: ignore[no-untyped-def]
+    """What encodes a request's reference once: the family's own (`ModelSet.reference`) or ours."""
+    if m.reference is not None:
+        return m.reference(m, c)
+    return ReferenceStage(m.dit, m.refiner, m.vae, m.text, lr_size=c.lr_size, ref_t_position=c.ref_t_position)
 
 
 class Pipeline:
@@ -159,8 +169,7 @@ class Pipeline:
         executor: LocalExecutor | None = None
         try:
             with torch.inference_mode():
-                ReferenceStage(m.dit, m.refiner, m.vae, m.text, lr_size=c.lr_size,
-                               ref_t_position=c.ref_t_position).run(state, reference, prompt, scene)
+                reference_stage(m, c).run(state, reference, prompt, scene)
             t_ref = time.perf_counter()
             for mod in m.modules():
                 mod.reset_stats()

@@ -294,9 +294,15 @@ STRATEGIES = ("prefix", "interp", "causal")
 
 
 def make_schedule(strategy: str, chunk: int, *, overlap: int = 2, gap: int = 1,
-                  anchor: int = 1, block: int = 3, scene: bool = False) -> ContinuitySchedule:
+                  anchor: int = 1, block: int = 3, scene: bool = False,
+                  stride: int = 4) -> ContinuitySchedule:
     """scene: prefix and interp chunks generated from the reference are given the scene frame
-    (the causal student keeps its reference as attention sink instead)."""
+    (the causal student keeps its reference as attention sink instead); stride: video frames per
+    latent of the model's VAE (handoff: FlashHead's own continuity, engine/handoff_schedule.py)."""
+    if strategy == "handoff":
+        from avatarstream.engine.handoff_schedule import HandoffSchedule  # it builds on this module
+
+        return HandoffSchedule(chunk=chunk, overlap=overlap, stride=stride)
     if strategy == "causal":
         return CausalSchedule(block=block)
     if strategy == "prefix":

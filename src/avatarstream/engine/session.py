@@ -92,6 +92,7 @@ class SessionState:
     publisher: Any = None  # where its video and audio go: put_video / put_audio (a Publisher)
     audio: Any = None  # AudioContext: streaming features of the session's speech
     causal: Any = None  # CausalDenoiser (causal strategy): per-step rolling KV caches + sink
+    family: Any = None  # a model family's own rolling state (FlashHead: its trailing audio window)
     total_frames: int | None = None  # video frames of the whole output, once the audio has ended
     frames_published: int = 0
     frames_emitted: int = 0  # handed to decode & publish: ahead of frames_published by the chunk
@@ -100,7 +101,7 @@ class SessionState:
 
     def rolling_nbytes(self) -> int:
         n = self.store.nbytes()
-        for obj in (self.vae_cache, self.dit_reference, self.refiner_reference, self.causal):
+        for obj in (self.vae_cache, self.dit_reference, self.refiner_reference, self.causal, self.family):
             if obj is not None and hasattr(obj, "nbytes"):
                 n += int(obj.nbytes() if callable(obj.nbytes) else obj.nbytes)
         return n

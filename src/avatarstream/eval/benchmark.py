@@ -157,9 +157,9 @@ def check_run_options(model: str, reference_mode: str = "video", steps: int | No
 ROUNDTRIP = "vae-roundtrip:"
 
 
-def load_subject(model: str) -> Any:
-    """The ModelSet of a registry model (or of the model a `vae-roundtrip:NAME` baseline uses);
-    None for the other baselines; unknown names are a ConfigError."""
+def load_subject(model: str, device: str = "cpu") -> Any:
+    """The ModelSet of a registry model (or of the model a `vae-roundtrip:NAME` baseline uses) on
+    `device`; None for the other baselines; unknown names are a ConfigError."""
     if model in BASELINES:
         return None
     if model.startswith(ROUNDTRIP):
@@ -171,7 +171,7 @@ def load_subject(model: str) -> Any:
     except ConfigError:
         raise ConfigError(f"unknown model {model!r}; available: {', '.join(BASELINES + tuple(available_models()))}, "
                           "or a weights folder made by `avatarstream train export`") from None
-    return load_model(model)
+    return load_model(model, device=device)
 
 
 def make_cases(split: str, *, seconds: float, clips: int, seed: int) -> list[Case]:
@@ -220,11 +220,11 @@ def vae_roundtrip(models: Any, frames: np.ndarray, latent_noise: float = 0.0, se
     vae = models.vae.model
     k = 1 + 4 * ((len(frames) - 1) // 4)
     x = torch.stack([square_resize(f, models.config.hr_size) for f in frames[:k]])  # [k, 3, S, S]
-    x = x.permute(1, 0, 2, 3)[None].float() / 127.5 - 1.0
+    x = (x.permute(1, 0, 2, 3)[None].float() / 127.5 - 1.0).to(models.vae.device)
     mean, _ = vae.encode(x)
     if latent_noise > 0:
         std = mean.float().std(dim=(0, 2, 3, 4), keepdim=True)  # [1, C, 1, 1, 1]
-        noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(seed))
+        noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(seed)).to(mean.device)
         mean = (mean.float() + latent_noise * std * noise).to(mean.dtype)
     out = to_uint8_frames(vae.decode(mean)[0])
     if len(out) < len(frames):
@@ -302,12 +302,15 @@ def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int =
                   out: Path | None = None, experts: Experts | None = None, plots: bool = True,
                   reference_mode: str = "video", steps: int | None = None,
                   seconds_per_chunk: float | None = None, strategy: str | None = None,
-                  latent_noise: float | None = None) -> dict[str, Any]:
+                  latent_noise: float | None = None, device: str = "cpu") -> dict[str, Any]:
     """Score `model` on `clips` cases of `split`; writes OUT/report.{json,md} and PNGs when `out`
     is given; returns the summary (stable keys + per-case metrics). `seconds_per_chunk`: run the
     model with that chunk length instead of its own (the live server's, for instance); `strategy`:
     with that continuity strategy instead of its own (prefix, interp, causal); `latent_noise`: of
-    a `vae-roundtrip:` baseline (see `vae_roundtrip`)."""
+    a `vae-roundtrip:` baseline (see `vae_roundtrip`); `device`: where the model runs (cpu, cuda)."""
+    from avatarstream.hardware import check_device
+
+    check_device(device)
     check_bench_args(split, seconds, clips)
     check_run_options(model, reference_mode, steps)
     if seconds_per_chunk is not None and (model in BASELINES or model.startswith(ROUNDTRIP)):
@@ -320,7 +323,7 @@ def run_benchmark(model: str, split: str, *, seconds: float = 10.0, clips: int =
         raise InputError(f"--latent-noise must be between 0 and 10, got {latent_noise}")
     if strategy is not None and strategy not in STRATEGIES:
         raise InputError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    models = load_subject(model)
+    models = load_subject(model, device)
     if strategy is not None:
         models.config = dataclasses.replace(models.config, strategy=strategy)
     if seconds_per_chunk is not None:

@@ -2,7 +2,7 @@
 
     avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--real] [--out DIR] --json
     avatarstream eval benchmark --model NAME --split heldout-identity|heldout-voice [--seconds S] [--clips N] [--seed X]
-        [--reference-mode video|frame] [--steps K] [--seconds-per-chunk S] [--strategy S] [--latent-noise A] [--out DIR] --json
+        [--reference-mode video|frame] [--steps K] [--seconds-per-chunk S] [--strategy S] [--latent-noise A] [--device cpu|cuda] [--out DIR] --json
     avatarstream eval sweep --model NAME --steps 1,2,3,4 [--split S] [--seconds S] [--clips N] [--seed X] [--out DIR] --json
     avatarstream eval card --model NAME [--seconds S] [--clips N] [--seed X] [--steps K] [--sweep-steps 1,2,3] [--out DIR] --json
     avatarstream eval showcase --model NAME --out DIR [--split S] [--seconds S] [--seed X] [--steps K] --json
@@ -20,7 +20,7 @@ from avatarstream.engine.schedule import STRATEGIES
 from avatarstream.errors import InputError
 
 USAGE = """avatarstream eval VIDEO --reference REF [--audio WAV] [--ground-truth GT] [--chunk-frames N] [--real] [--out DIR] [--json]
-       avatarstream eval benchmark --model NAME --split {heldout-identity,heldout-voice} [--seconds S] [--clips N] [--seed X] [--reference-mode {video,frame}] [--steps K] [--seconds-per-chunk S] [--strategy {prefix,interp,causal}] [--latent-noise A] [--out DIR] [--json]
+       avatarstream eval benchmark --model NAME --split {heldout-identity,heldout-voice} [--seconds S] [--clips N] [--seed X] [--reference-mode {video,frame}] [--steps K] [--seconds-per-chunk S] [--strategy {prefix,interp,causal}] [--latent-noise A] [--device {cpu,cuda}] [--out DIR] [--json]
        avatarstream eval sweep --model NAME --steps 1,2,3,4 [--split S] [--seconds S] [--clips N] [--seed X] [--out DIR] [--json]
        avatarstream eval card --model NAME [--seconds S] [--clips N] [--seed X] [--steps K] [--sweep-steps 1,2,3] [--out DIR] [--json]
        avatarstream eval showcase --model NAME --out DIR [--split S] [--seconds S] [--seed X] [--steps K] [--json]"""
@@ -32,7 +32,7 @@ _COMMON = ("out", "threads")
 _OPTIONS = {
     "video": ("reference", "audio", "ground_truth", "chunk_frames", "real", "experts", "no_plots"),
     "benchmark": ("model", "split", "seconds", "clips", "seed", "reference_mode", "steps", "seconds_per_chunk",
-                  "strategy", "latent_noise", "experts", "no_plots"),
+                  "strategy", "latent_noise", "experts", "no_plots", "device"),
     "sweep": ("model", "split", "seconds", "clips", "seed", "steps", "experts"),
     "card": ("model", "seconds", "clips", "seed", "steps", "sweep_steps", "experts"),
     "showcase": ("model", "split", "seconds", "seed", "steps"),
@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--latent-noise", type=float,
                    help="benchmark, vae-roundtrip:NAME only: decode the latents plus this many per-channel "
                         "stds of Gaussian noise (a generator's error size; default 0)")
+    b.add_argument("--device", choices=["cpu", "cuda"],
+                   help="benchmark: where the model runs (default cpu; cuda: the first GPU, an error when there is none)")
     b.add_argument("--sweep-steps", help="card: also sweep these step counts (like 1,2,3) on the same cases")
     p.add_argument("--out", help="output folder (default VIDEO.eval/, eval-MODEL-SPLIT-sSEED/, eval-sweep-…, "
                                  "eval-card-MODEL-sSEED/; showcase: required)")
@@ -204,7 +206,7 @@ def run_benchmark_cmd(args: argparse.Namespace) -> dict[str, Any]:
                       experts=load_experts(args.experts), plots=not args.no_plots,
                       reference_mode=args.reference_mode or "video", steps=steps,
                       seconds_per_chunk=args.seconds_per_chunk, strategy=args.strategy,
-                      latent_noise=args.latent_noise)
+                      latent_noise=args.latent_noise, device=args.device or "cpu")
     return {**{k: r.get(k) for k in STABLE_KEYS}, **{k: v for k, v in r.items() if k not in STABLE_KEYS}}
 
 

@@ -9,7 +9,8 @@ tokens of the prompt are cheap and model-global, so they are not part of it.
 File layout (tensor names): `{dit,refiner}.k.{layer}`, `{dit,refiner}.v.{layer}`,
 `{dit,refiner}.motion`, `{dit,refiner}.t_pos`, optionally `{dit,refiner}.key_valid`, and the scene
 frame `scene.lr` [1, C, h, w] / `scene.motion` [1, Dm] (format 2); the metadata holds the model
-name, the layer count and the tokens per frame. A file of an older format is not loaded (the
+name, the layer count and the tokens per frame. A model family with a reference record of its own
+(FlashHead: `y` and the colour reference) stores it as `family.*` with metadata `family`. A file of an older format is not loaded (the
 avatar store encodes the reference again).
 """
 
@@ -23,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from avatarstream.cache.reference import ReferenceCache
 from avatarstream.engine.config import ModelSet
+from avatarstream.engine.pipeline import reference_stage
 from avatarstream.engine.session import SessionState
-from avatarstream.engine.stages.reference import ReferenceStage
+from avatarstream.engine.stages.flashhead import FlashHeadReference
 
 FORMAT = "avatarstream-prepared-reference-2"
 
@@ -52,11 +54,9 @@ def prepare_reference(models: ModelSet, frames: torch.Tensor) -> PreparedReferen
     """Encode reference frames [F, 3, H, W] uint8 (at hr_size) once: the ReferenceStage's work.
 
     Raises InputError when no frame is usable (blank reference)."""
-    c = models.config
     state = SessionState()
     with torch.inference_mode():
-        ReferenceStage(models.dit, models.refiner, models.vae, models.text, lr_size=c.lr_size,
-                       ref_t_position=c.ref_t_position).run(state, frames, "")
+        reference_stage(models, models.config).run(state, frames, "")
     scene = state.store.scene()
     assert scene is not None  # ReferenceStage always sets it
     return PreparedReference(models.name, state.dit_reference, state.refiner_reference, *scene)
@@ -89,13 +89,17 @@ def save_prepared(ref: PreparedReference, path: str | Path) -> None:
     """Write atomically (a temporary file renamed into place): a crash leaves no half file."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    _flatten("dit", ref.dit, tensors)
+    if isinstance(ref.dit, FlashHeadReference):  # a model family's own reference record
+        tensors.update({f"family.{k}": v for k, v in ref.dit.tensors().items()})
+        meta = {"format": FORMAT, "model": ref.model, "family": "flashhead"}
+    else:
+        _flatten("dit", ref.dit, tensors)
+        meta = {"format": FORMAT, "model": ref.model,
+                "dit_layers": str(len(ref.dit.k)), "dit_tokens": str(ref.dit.tokens_per_frame)}
     if ref.refiner is not None:
         _flatten("refiner", ref.refiner, tensors)
     tensors["scene.lr"] = ref.scene_lr.float().contiguous()
     tensors["scene.motion"] = ref.scene_motion.float().contiguous()
-    meta = {"format": FORMAT, "model": ref.model,
-            "dit_layers": str(len(ref.dit.k)), "dit_tokens": str(ref.dit.tokens_per_frame)}
     if ref.refiner is not None:
         meta.update(refiner_layers=str(len(ref.refiner.k)), refiner_tokens=str(ref.refiner.tokens_per_frame))
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -111,9 +115,12 @@ def load_prepared(path: str | Path) -> PreparedReference:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a prepared reference ({meta.get('format')!r})")
     t = load_file(str(path))
+    dit = (FlashHeadReference.from_tensors({k[7:]: v for k, v in t.items() if k.startswith("family.")})
+           if meta.get("family") == "flashhead"
+           else _unflatten("dit", t, int(meta["dit_layers"]), int(meta["dit_tokens"])))
     return PreparedReference(
         meta["model"],
-        _unflatten("dit", t, int(meta["dit_layers"]), int(meta["dit_tokens"])),
+        dit,
         (_unflatten("refiner", t, int(meta["refiner_layers"]), int(meta["refiner_tokens"]))
          if "refiner_layers" in meta else None),
         t["scene.lr"], t["scene.motion"],

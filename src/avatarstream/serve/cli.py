@@ -17,6 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None,
                    help="model name (see `avatarstream models`; default: the registry's default)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the models run (cuda: the first GPU; an error when there is none)")
     p.add_argument("--data-dir", default="serve-data",
                    help="folder for avatars (SQLite + tensors), renders and live session files")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from aiohttp import web
 
+    from avatarstream.hardware import check_device
     from avatarstream.registry import load_model, resolve_model
     from avatarstream.serve.app import ServerConfig, make_app
     from avatarstream.serve.avatars import UploadLimits
@@ -60,6 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--max-sessions must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_device(args.device)
     # WebRTC host candidates: loopback only for a loopback server, else the machine's addresses.
     use_host_addresses(["127.0.0.1"] if is_loopback_host(args.host) else None)
     config = ServerConfig(
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         piper_voice=args.piper_voice, batching=not args.no_batching,
         seconds_per_chunk=args.seconds_per_chunk,
     )
-    app = make_app(load_model(model), config)
+    app = make_app(load_model(model, device=args.device), config)
     log.info("serving %s on http://%s:%d (data in %s)", model, args.host, args.port,
              config.data_dir)
     web.run_app(app, host=args.host, port=args.port, print=None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from avatarstream.engine.config import PipelineConfig
+from avatarstream.engine.config import ModelSet, PipelineConfig
 from avatarstream.models.audio import AudioConfig, AudioEncoder
 from avatarstream.models.dit import DiTConfig, VideoRefDiT
 from avatarstream.models.refiner import RefinerConfig, SRRefiner
@@ -37,6 +37,9 @@ class ModelSpec:
     seed: int = 0
     description: str = ""
     adapter: StateDictAdapter = NATIVE  # how `weights` maps onto the networks
+    # a family that builds its own ModelSet (an official folder: weights/flashhead_folder.py):
+    # load(device, bf16) -> ModelSet, used by the registry's `load_model` instead of `networks()`
+    load: Callable[[str, bool | None], ModelSet] | None = None
 
     def networks(self) -> dict[str, nn.Module | None]:
         """Fresh networks at the spec's sizes (PyTorch's default init, drawn from the global RNG
