@@ -16,26 +16,16 @@ from avatarstream.cache.kv import BlockKV, RollingKVCache
 from avatarstream.engine.causal import CausalDenoiser, CausalSettings
 from avatarstream.engine.module import Module
 from avatarstream.engine.schedule import CausalSchedule, GivenFrame
-from avatarstream.models.dit import DiTConfig, VideoRefDiT
+from avatarstream.models.dit import VideoRefDiT
 from avatarstream.models.transformer import DiTCondition
 from avatarstream.samplers import flow_sigmas
+
+from models.test_causal_dit import R, dit, reference  # noqa: F401 - dit: the shared fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-5
-STEPS, R = 3, 3
-
-
-@pytest.fixture(scope="module")
-def dit() -> VideoRefDiT:
-    m = VideoRefDiT(DiTConfig.tiny()).eval()
-    m.init_random_(0)
-    return m
-
-
-def reference(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, 4, R, 4, 4, generator=g), torch.tensor([[True, False, True]])
+STEPS = 3
 
 
 def rollout(dit: VideoRefDiT, settings: CausalSettings, blocks: int, *, seed: int = 1,

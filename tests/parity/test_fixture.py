@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -12,7 +11,8 @@ from avatarstream.parity.fixture import load_fixture
 
 from conftest import run_cli
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+from .helpers import GOLDEN
+
 
 
 def test_fixture_metadata_and_groups(tmp_path):

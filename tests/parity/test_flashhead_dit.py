@@ -3,29 +3,25 @@ on both fixtures, a deliberate bug the fixtures catch, and bad fixtures as one c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from avatarstream.errors import InputError
 from avatarstream.parity import flashhead_dit
 from avatarstream.parity.fixture import load_fixture, run_parity
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+from .helpers import GOLDEN, cli_parity, rewrite_fixture
+
 PRO, LITE = GOLDEN / "flashhead-dit-a.safetensors", GOLDEN / "flashhead-dit-lite-a.safetensors"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("path", [PRO, LITE], ids=["pro", "lite"])
 def test_cli_parity_passes(path: Path) -> None:
-    r = run_cli("models", "parity", str(path), "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = cli_parity(path)
     print(path.name, out["max_abs_diff"])  # ~1e-6 (Pro 1.2e-6, Lite 1.7e-6 on torch 2.13 CPU)
     assert out["pass"] and out["family"] == "flashhead-dit" and out["max_abs_diff"] < 1e-5
 
@@ -53,26 +49,12 @@ def test_bf16_weights_under_autocast_stay_within_two_percent() -> None:
         assert (out[name].float() - want).abs().max() < 2e-2 * want.abs().max(), name
 
 
-def _rewrite(src: Path, dst: Path, *, weights: dict[str, torch.Tensor] | None = None,
-             family: str | None = None) -> Path:
-    """A copy of fixture `src` with some weights replaced or its family changed."""
-    with safe_open(str(src), framework="pt") as f:
-        meta = dict(f.metadata())
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    for k, v in (weights or {}).items():
-        tensors[f"weights.{k}"] = v
-    if family is not None:
-        meta["family"] = family
-    save_file(tensors, str(dst), metadata=meta)
-    return dst
-
-
 def test_bad_fixtures_are_one_clear_error(tmp_path: Path) -> None:
-    shapes = _rewrite(PRO, tmp_path / "shapes.safetensors",
+    shapes = rewrite_fixture(PRO, tmp_path / "shapes.safetensors",
                       weights={"patch_embedding.weight": torch.zeros(64, 256, 1, 1, 1)})
     with pytest.raises(InputError, match=r"'patch_embedding.weight' has shape \(64, 256, 1, 1, 1\)"):
         run_parity(shapes)
-    other = _rewrite(GOLDEN / "wan-vae-a.safetensors", tmp_path / "other.safetensors", family="flashhead-dit")
+    other = rewrite_fixture(GOLDEN / "wan-vae-a.safetensors", tmp_path / "other.safetensors", family="flashhead-dit")
     with pytest.raises(InputError, match="not a FlashHead DiT config"):
         run_parity(other)
     cut = tmp_path / "cut.safetensors"

@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from conftest import run_cli
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from avatarstream.errors import InputError
@@ -22,7 +20,8 @@ from avatarstream.parity.ltx_vae import run
 from avatarstream.weights.ltx import load_ltx_vae, ltx_vae_adapter, ltx_vae_config
 from avatarstream.weights.official import read_state
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+from .helpers import GOLDEN, cli_parity, rewrite_fixture
+
 LTX = GOLDEN / "ltx-vae-a.safetensors"
 KEYS = Path(__file__).resolve().parents[1] / "fixtures" / "real-models" / "ltx_vae_diffusers_keys.json"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,9 +42,7 @@ LTX_09 = {"_class_name": "CausalVideoAutoencoder", "dims": 3, "in_channels": 3, 
 
 
 def test_cli_parity_passes() -> None:
-    r = run_cli("models", "parity", str(LTX), "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = cli_parity(LTX)
     print(LTX.name, out["max_abs_diff"])  # 0.0 (decoded and encoded_mode) on torch 2.13 CPU
     assert out["pass"] and out["family"] == "ltx-vae" and out["max_abs_diff"] < 1e-5
 
@@ -113,28 +110,18 @@ def test_a_causal_decoder_is_caught() -> None:
     assert isinstance(good, LTXVideoVAE) and run(fx).keys() == fx.expected.keys()
 
 
-def _variant(src: Path, dst: Path, weights: dict[str, torch.Tensor] | None = None, **meta: Any) -> Path:
-    """Fixture `src` written to `dst` with some weights and metadata entries (dicts as JSON) replaced."""
-    with safe_open(str(src), framework="pt") as f:
-        header, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
-    tensors |= {f"weights.{k}": v for k, v in (weights or {}).items()}
-    header |= {k: json.dumps(v) if isinstance(v, dict) else v for k, v in meta.items()}
-    save_file(tensors, str(dst), metadata=header)
-    return dst
-
-
 def test_bad_inputs_are_one_clear_error(tmp_path: Path) -> None:
-    shapes = _variant(LTX, tmp_path / "shapes.safetensors",
+    shapes = rewrite_fixture(LTX, tmp_path / "shapes.safetensors",
                       weights={"encoder.conv_in.conv.weight": torch.zeros(4, 12, 3, 3, 3)})
     with pytest.raises(InputError, match=r"'encoder.conv_in.conv.weight' has shape \(4, 12, 3, 3, 3\)"):
         run_parity(shapes)
-    other = _variant(GOLDEN / "wan-vae-a.safetensors", tmp_path / "other.safetensors", family="ltx-vae")
+    other = rewrite_fixture(GOLDEN / "wan-vae-a.safetensors", tmp_path / "other.safetensors", family="ltx-vae")
     with pytest.raises(InputError, match="not an LTX-Video VAE config"):
         run_parity(other)
     fx = load_fixture(LTX)
     with pytest.raises(InputError, match="do not fit this network"):  # another family's weights
         load_ltx_vae(load_fixture(GOLDEN / "wan-vae-a.safetensors").weights, fx.config)
-    later = _variant(LTX, tmp_path / "later.safetensors", config=dict(fx.config, timestep_conditioning=True))
+    later = rewrite_fixture(LTX, tmp_path / "later.safetensors", config=dict(fx.config, timestep_conditioning=True))
     with pytest.raises(InputError, match="timestep_conditioning.*only the LTX-Video 0.9"):
         run_parity(later)
     with pytest.raises(InputError, match="upsample_residual"):

@@ -20,15 +20,15 @@ from avatarstream.weights.official import read_state
 
 from conftest import run_cli
 
+from .helpers import cli_parity
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "wan-vae-a.safetensors"
 
 
 def test_cli_passes_with_max_abs_diff():
-    r = run_cli("models", "parity", str(FIXTURE), "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = cli_parity(FIXTURE)
     print(f"wan-vae parity: max abs diff {out['max_abs_diff']:.3g}")
     assert out["family"] == "wan-vae" and out["pass"] and out["max_abs_diff"] <= 1e-4
 

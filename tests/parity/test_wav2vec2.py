@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from avatarstream.errors import InputError
@@ -19,16 +18,15 @@ from avatarstream.parity import wav2vec2
 from avatarstream.parity.fixture import load_fixture, run_parity
 from avatarstream.weights.wav2vec2 import load_wav2vec2, load_wav2vec2_folder
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+from .helpers import GOLDEN, cli_parity, rewrite_fixture
+
 LIVEAVATAR, FLASHHEAD = GOLDEN / "wav2vec2-a.safetensors", GOLDEN / "wav2vec2-flashhead-a.safetensors"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("path", [LIVEAVATAR, FLASHHEAD], ids=["liveavatar", "flashhead"])
 def test_cli_parity_passes(path: Path) -> None:
-    r = run_cli("models", "parity", str(path), "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = cli_parity(path)
     # ~5e-6 of values up to 7.6 (liveavatar 5.0e-6, flashhead 4.4e-6 on torch 2.13 CPU); transformers
     # 4.51.3 itself lands 6.2e-6 from the stored tensors here and our port equals it exactly
     print(path.name, out["max_abs_diff"])
@@ -87,32 +85,16 @@ def test_a_folder_as_downloaded(tmp_path: Path) -> None:
         load_wav2vec2_folder(tmp_path)
 
 
-def _rewrite(src: Path, dst: Path, *, weights: dict[str, torch.Tensor | None] | None = None,
-             family: str | None = None) -> Path:
-    """A copy of fixture `src` with weights replaced (None: removed) or its family changed."""
-    with safe_open(str(src), framework="pt") as f:
-        meta = dict(f.metadata())
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    for k, v in (weights or {}).items():
-        if v is None:
-            del tensors[f"weights.{k}"]
-        else:
-            tensors[f"weights.{k}"] = v
-    meta["family"] = family or meta["family"]
-    save_file(tensors, str(dst), metadata=meta)
-    return dst
-
-
 def test_bad_weights_or_fixtures_are_one_clear_error(tmp_path: Path) -> None:
     key = "encoder.layers.0.attention.q_proj.weight"
-    shapes = _rewrite(FLASHHEAD, tmp_path / "shapes.safetensors", weights={key: torch.zeros(16, 8)})
+    shapes = rewrite_fixture(FLASHHEAD, tmp_path / "shapes.safetensors", weights={key: torch.zeros(16, 8)})
     with pytest.raises(InputError, match=rf"'{key}' has shape \(16, 8\)"):
         run_parity(shapes)
-    missing = _rewrite(LIVEAVATAR, tmp_path / "missing.safetensors",
+    missing = rewrite_fixture(LIVEAVATAR, tmp_path / "missing.safetensors",
                        weights={"wav2vec2.encoder.layer_norm.weight": None})
     with pytest.raises(InputError, match="1 missing .*'encoder.layer_norm.weight'"):
         run_parity(missing)
-    other = _rewrite(GOLDEN / "wan-vae-a.safetensors", tmp_path / "other.safetensors", family="wav2vec2")
+    other = rewrite_fixture(GOLDEN / "wan-vae-a.safetensors", tmp_path / "other.safetensors", family="wav2vec2")
     with pytest.raises(InputError, match="not a wav2vec2 config"):
         run_parity(other)
     fx = load_fixture(FLASHHEAD)
