@@ -95,6 +95,7 @@ class GuidedDenoiser:
         self.audio, self.text, self.text_mask = audio, text, text_mask
         self.reference, self.anchor = reference, anchor
         self.guidance = guidance
+        self.guidance_input = guidance.input_for(x.shape[0])  # [B, 2] or None, once per batch
         self.t_pos = torch.arange(x.shape[2], dtype=torch.float32)  # chunk-local positions
 
     def initial(self) -> torch.Tensor:
@@ -108,11 +109,10 @@ class GuidedDenoiser:
     def __call__(self, flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         xs, ms = self.clamp(flat)
         sig = torch.full(self.given.shape, float(sigma)).masked_fill(self.given, 0.0)  # [B, T]
-        guidance = self.guidance.input_for(xs.shape[0])
 
         def velocity(tokens: torch.Tensor, reference: Any) -> tuple[torch.Tensor, torch.Tensor]:
             cond = DiTCondition(motion=ms, audio=tokens, text=self.text, text_mask=self.text_mask,
-                                t_pos=self.t_pos, guidance=guidance, anchor=self.anchor)
+                                t_pos=self.t_pos, guidance=self.guidance_input, anchor=self.anchor)
             out = self.forward(xs, sig, cond, reference)
             return out.velocity.float(), out.motion_velocity.float()
 
