@@ -70,7 +70,8 @@ def test_generate_both_strategies(media, tmp_path, strategy):
 
 
 def test_sigkill_leaves_playable_file(media, tmp_path):
-    """Kill -9 half way: the file decodes to (at least) every frame reported durable."""
+    """Kill -9 half way: the file being written (beside --out, named in the events) decodes to (at
+    least) every frame reported durable."""
     out = tmp_path / "killed.mp4"
     cmd = [sys.executable, "-m", "avatarstream.cli", "generate", "--reference", str(media["png"]),
            "--audio", str(media["wav_60s"]), "--out", str(out), "--events", "--no-progress"]
@@ -80,7 +81,7 @@ def test_sigkill_leaves_playable_file(media, tmp_path):
     try:
         for line in proc.stderr:
             if line.startswith("{"):
-                durable = json.loads(line)["durable_frames"]
+                durable, partial = json.loads(line)["durable_frames"], Path(json.loads(line)["file"])
                 if durable >= 100:
                     break
             assert time.time() < deadline
@@ -88,7 +89,8 @@ def test_sigkill_leaves_playable_file(media, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert 100 <= durable < 1500, "killed before the end"
-    info = probe(out)
+    assert not out.exists() and partial.parent == out.parent
+    info = probe(partial)
     assert info["vcodec"] == "h264"
     assert info["frames"] >= durable
 

@@ -5,10 +5,7 @@ same chunk loop and stages) producing talk frames."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 import torch
 
 from conftest import run_cli
+from live_helpers import speak_once
 from test_cli import probe
 
 from avatarstream.errors import InputError
@@ -88,31 +86,9 @@ def test_live_session_speaks_through_the_same_stages(folder: Path, tmp_path: Pat
     prepared = load_prepared(tmp_path / "ref.safetensors")
     session = LiveSession(models, ref, prepared=prepared,
                           config=LiveSessionConfig(lead_s=0.2, idle_timeout_s=10.0))
-    video: list[float] = []
-
-    async def consume() -> None:
-        async for item in session.frames(poll_s=0.05):
-            if item.kind == "video":
-                video.append(item.pts)
-
-    def drive() -> None:
-        while not video:
-            time.sleep(0.01)
-        t = np.arange(int(2.5 * c.sample_rate)) / c.sample_rate
-        session.push_audio((0.5 * np.sin(2 * np.pi * 220 * t)).astype(np.float32))
-        session.end_of_speech()
-        deadline = time.monotonic() + 20
-        while not any(e["type"] == "speech_ended" for e in list(session.events)):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        session.stop()
-
-    session.start()
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    asyncio.run(asyncio.wait_for(consume(), timeout=40))
-    driver.join(5)
+    t = np.arange(int(2.5 * c.sample_rate)) / c.sample_rate
+    video = [it.pts for it in speak_once(session, (0.5 * np.sin(2 * np.pi * 220 * t)).astype(np.float32),
+                                         wait_s=20, timeout_s=40)]
     assert session.error is None, session.error
     kinds = [e["type"] for e in session.events]
     assert "speech_started" in kinds and "speech_ended" in kinds
@@ -165,5 +141,17 @@ def test_bf16_loads_the_dit_in_bf16_and_runs(folder: Path) -> None:
     models = load_model(f"flashhead-pro:{folder}", bf16=True)
     assert {p.dtype for p in models.dit.model.parameters()} == {torch.bfloat16}
     assert models.dit.autocast_dtype == torch.bfloat16
+    summary, frames = _run(models, 1.0)
+    assert summary.frames == len(frames) == 25
+
+
+def test_fp8_flag_quantizes_the_dit_blocks(folder: Path) -> None:
+    """`flashhead-pro:DIR,fp8`: the blocks' linears in float8 with a scale per row; it renders."""
+    from avatarstream.models.fp8 import Float8Linear
+    from avatarstream.registry import load_model
+
+    models = load_model(f"flashhead-pro:{folder},fp8", bf16=False)
+    q = [m for m in models.dit.model.blocks.modules() if isinstance(m, Float8Linear)]
+    assert q and {m.weight.dtype for m in q} == {torch.float8_e4m3fn}
     summary, frames = _run(models, 1.0)
     assert summary.frames == len(frames) == 25

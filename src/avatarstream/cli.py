@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from avatarstream.engine.config import SIZE_HELP, parse_size
 from avatarstream.errors import AvatarStreamError, ConfigError
 
 log = logging.getLogger("avatarstream")
@@ -19,11 +20,15 @@ log = logging.getLogger("avatarstream")
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="reference + speech -> video of the person speaking (streamed to the file)")
     p.add_argument("--reference", required=True, help="video (mp4/mov/webm/mkv) or image (png/jpg/webp)")
+    p.add_argument("--max-megapixels", type=float, default=40.0, metavar="MP", help="refuse reference/scene "
+                   "pictures and video frames over MP before decoding; a JPEG is read at 1/2-1/8 size (default 40)")
     p.add_argument("--scene", metavar="IMAGE",
                    help="start from this picture instead of the reference's first frame (the person "
                         "of the reference in another scene; prefix/interp)")
-    p.add_argument("--audio", required=True, help="speech: wav/mp3/flac/ogg/m4a, any rate, mono or stereo")
-    p.add_argument("--out", required=True, help="output .mp4 (fragmented: playable while it is written)")
+    p.add_argument("--audio", required=True, help="speech: wav/mp3/flac/ogg/m4a, any rate, mono or stereo; "
+                   "damaged parts are skipped with a warning, refused when over 5%% of the file")
+    p.add_argument("--out", required=True, help="output .mp4, written as OUT-STEM.partial-PID.mp4 (playable "
+                   "while written) and renamed over --out when complete; a failed run leaves --out as it was")
     p.add_argument("--model", default=None,
                    help="model name (see `avatarstream models`; default: the bundled model, else tiny-random)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -36,6 +41,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "processes (one share of the steps each) + 1 decode process")
     p.add_argument("--split-decode", action="store_true",
                    help="with --workers: SR refiner and VAE decode in two processes (N + 2 in all)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="causal, under torchrun (-m avatarstream.parallel.launch): shard each DiT "
+                        "block's tokens over the processes (Ulysses); rank 0 writes the output")
     p.add_argument("--decode-inline", action="store_true",
                    help="VAE decode in the generating thread (default: a thread of its own, same video)")
     p.add_argument("--adaptive-sink", action=argparse.BooleanOptionalAction, default=None,
@@ -51,6 +59,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "forward a step; default: the model's)")
     p.add_argument("--seconds-per-chunk", type=float, default=None,
                    help="chunk length in seconds of video (rounded to whole latent frames)")
+    p.add_argument("--size", default=None, metavar="WxH", help=SIZE_HELP)
     p.add_argument("--steps", type=int, default=None, help="denoising steps per chunk")
     p.add_argument("--sampler", choices=["euler", "stochastic"], default=None)
     p.add_argument("--audio-scale", type=float, default=None,
@@ -60,7 +69,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="reference guidance scale (default: the model's, or 1: unguided)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prompt", default="", help="optional text/scene description")
-    p.add_argument("--hls", default=None, metavar="DIR", help="also publish a live HLS stream into DIR")
+    p.add_argument("--hls", default=None, metavar="DIR", help="also publish a live HLS stream into DIR "
+                   "(index.partial-PID.m3u8 while written, index.m3u8 when complete)")
     p.add_argument("--max-audio-seconds", type=float, default=3600.0,
                    help="refuse audio longer than this (default 3600)")
     p.add_argument("--threads", type=int, default=None,
@@ -88,6 +98,10 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
         o["sampler"] = args.sampler
     if args.seed is not None:
         o["seed"] = args.seed
+    if getattr(args, "size", None) is not None:
+        height, width = parse_size(args.size)
+        c.with_size(height, width)  # checked: a ConfigError naming the multiple the model needs
+        o.update(height=height, width=width)
     for key in ("audio_scale", "ref_scale"):
         val = getattr(args, key, None)
         if val is not None:
@@ -119,12 +133,12 @@ def _configure(models, args) -> None:  # type: ignore[no-untyped-def]
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from avatarstream.engine.pipeline import Pipeline
     from avatarstream.hardware import check_device
     from avatarstream.media.audio import AudioReader
     from avatarstream.media.reference import load_reference
-    from avatarstream.publish.file import FragmentedMP4Sink, check_writable
-    from avatarstream.registry import load_model, model_spec_for, resolve_model
+    from avatarstream.publish.base import ending, generate_outputs
+    from avatarstream.publish.file import check_writable
+    from avatarstream.registry import model_spec_for, resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,16 +149,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_writable(out)
     spec_cfg = model_spec_for(args.model).pipeline()
     overrides = _overrides(spec_cfg, args)
-    reference = load_reference(args.reference, size=spec_cfg.hr_size, max_frames=spec_cfg.ref_pixel_frames)
+    out_hw = (overrides["height"], overrides["width"]) if "height" in overrides else spec_cfg.out_hw
+    max_pixels = round(args.max_megapixels * 1e6)
+    reference = load_reference(args.reference, size=out_hw, max_frames=spec_cfg.ref_pixel_frames,
+                               max_pixels=max_pixels)
     scene = None
     if args.scene is not None:
         if args.workers is not None or (args.strategy or spec_cfg.strategy) == "causal":
             raise ConfigError("--scene is for the prefix and interp strategies (the causal student "
                               "starts from its reference sink)")
-        scene = load_reference(args.scene, size=spec_cfg.hr_size, max_frames=1, what="scene image").frames[:1]
+        scene = load_reference(args.scene, size=out_hw, max_frames=1, what="scene image",
+                               max_pixels=max_pixels).frames[:1]
     reader = AudioReader(args.audio, sample_rate=spec_cfg.sample_rate, max_seconds=args.max_audio_seconds)
-    if args.workers is not None:
+    if args.workers is not None or args.sequence_parallel:  # every rank loads the reference at --size
         return _generate_tpp(args, overrides, out)
+    with ending(sinks := generate_outputs(out, args.hls)):  # locked now: a second writer is refused
+        result = _generate_here(args, reference, scene, reader, sinks)
+    result["out"] = str(out)  # replaced only now, complete (publish/output.py)
+    _print_summary(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _generate_here(args: argparse.Namespace, reference, scene, reader, sinks) -> dict:  # type: ignore[no-untyped-def]
+    """Load the model, open the sinks and run the pipeline in this process; the summary."""
+    import torch
+
+    from avatarstream.engine.pipeline import Pipeline
+    from avatarstream.registry import load_model
+
     models = load_model(args.model, device=args.device)
     _configure(models, args)
     cfg = models.config
@@ -153,14 +187,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(generation_threads(cfg.strategy, cfg.decode_overlap))
     pipeline = Pipeline(models)
-
-    sinks = [FragmentedMP4Sink(out)]
-    if args.hls:
-        from avatarstream.publish.hls import HLSSink
-
-        sinks.append(HLSSink(args.hls))
     for s in sinks:
-        s.open(cfg.hr_size, cfg.hr_size, cfg.fps, cfg.sample_rate)
+        s.open(cfg.out_hw[1], cfg.out_hw[0], cfg.fps, cfg.sample_rate)
 
     total_hint = None
     if reader.duration_s:
@@ -180,46 +208,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
             media = done / cfg.fps
             bar.set_postfix(fps=f"{done / elapsed:.1f}", speed=f"{media / elapsed:.2f}x" if elapsed else "-")
         if args.events:
-            print(json.dumps({"event": "chunk", "frames_published": done,
+            print(json.dumps({"event": "chunk", "frames_published": done, "file": str(sinks[0].writing),
                               "durable_frames": sinks[0].durable_frames}), file=sys.stderr, flush=True)
 
-    ok = False
     try:
         summary = pipeline.run(reference.frames, iter(reader), sinks, prompt=args.prompt,
                                max_audio_seconds=args.max_audio_seconds, progress=progress, scene=scene)
-        ok = True
     finally:
         if bar is not None:
             bar.close()
-        for s in sinks:
-            if ok or s.durable_frames > 0:
-                s.close()
-            else:
-                s.abort()  # nothing useful written: leave no broken file behind
     result = summary.as_dict()
-    result.update(model=args.model, strategy=cfg.strategy, steps=cfg.steps, out=str(out),
-                  threads=torch.get_num_threads())
-    _print_summary(result)
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    result.update(model=args.model, strategy=cfg.strategy, steps=cfg.steps, threads=torch.get_num_threads())
+    return result
 
 
 def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path) -> int:
     """`generate --strategy causal --workers N`: timestep-forcing pipeline parallelism over
     N + 1 processes started here (parallel/tpp.py); the decode process writes the file."""
+    from avatarstream.parallel.run import launched_by_torchrun
     from avatarstream.parallel.tpp import TPPJob, run_tpp
+    from avatarstream.publish.base import ending
+    from avatarstream.publish.file import ReservedOutput
 
+    # the publishing process writes the partial file; this one locks --out and renames it (torchrun: in place)
+    outs = [] if launched_by_torchrun() else [ReservedOutput(out)]
     job = TPPJob(model=args.model, reference=str(args.reference), audio=str(args.audio),
-                 workers=args.workers, split_decode=args.split_decode, out=str(out), hls=args.hls,
-                 overrides=overrides,
+                 workers=args.workers or 1, split_decode=args.split_decode,
+                 out=str(outs[0].writing if outs else out), hls=args.hls, overrides=overrides,
                  prompt=args.prompt, max_audio_seconds=args.max_audio_seconds,
-                 threads=args.threads or 1)
-    result = run_tpp(job)
+                 threads=args.threads or 1, device=args.device, sequence_parallel=args.sequence_parallel)
+    if args.sequence_parallel and args.workers is not None:
+        raise ConfigError("--sequence-parallel and --workers are two parallel plans; give one")
+    with ending(outs):
+        result = run_tpp(job)  # (sequence parallel: parallel/sp_run.py)
+    if result is None:  # a rank of a torchrun job that does not publish: it prints nothing
+        return 0
     result.update(model=args.model, strategy="causal", out=str(out))
     _print_summary(result)
     decode = "1 refine + 1 decode worker" if args.split_decode else "1 decode worker"
-    print(f"  pipeline: {args.workers} denoise workers (steps {result['step_shares']}) + {decode}")
+    print(f"  sequence parallel over {result['processes']} processes" if args.sequence_parallel else
+          f"  pipeline: {args.workers} denoise workers (steps {result['step_shares']}) + {decode}")
     if args.json:
         print(json.dumps(result))
     return 0
@@ -279,10 +307,22 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     pc = msub.add_parser("check", help="check a downloaded checkpoint folder from its file headers (no "
                          "tensor is read): family, keys and shapes, sizes, memory needed; exit 1 when "
                          "something is missing or wrong")
-    pc.add_argument("folder", help="SoulX-FlashHead-1_3B, one of its subfolders, wav2vec2-base-960h, or a "
-                    "folder holding them")
+    pc.add_argument("folder", help="SoulX-FlashHead-1_3B, one of its subfolders, wav2vec2-base-960h, a LiveAvatar "
+                    "download (the folder holding Wan2.2-S2V-14B/ and LiveAvatar/, or either), or a folder holding them")
     pc.add_argument("--json", action="store_true", help="print only the JSON line")
     pc.set_defaults(func=cmd_models_check)
+    pe = msub.add_parser("encode-text", help="run Wan's umT5-XXL text encoder once on a prompt and write "
+                         "its [L, 4096] context file (the DiT reads it; it never loads the encoder)")
+    pe.add_argument("--prompt", required=True, help="the text the video should follow")
+    pe.add_argument("--out", required=True, help="the context file to write (.safetensors)")
+    pe.add_argument("--ckpt", help="a Wan2.2-S2V-14B folder (or the folder holding it): finds both below")
+    pe.add_argument("--t5", help="models_t5_umt5-xxl-enc-bf16.pth (default: in --ckpt)")
+    pe.add_argument("--tokenizer", help="the google/umt5-xxl tokenizer folder (default: in --ckpt)")
+    pe.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="compute and store dtype (default bfloat16, as Wan runs it)")
+    pe.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    pe.add_argument("--json", action="store_true", help="print only the JSON line")
+    pe.set_defaults(func=cmd_models_encode_text)
 
 
 def cmd_models_parity(args: argparse.Namespace) -> int:
@@ -306,6 +346,25 @@ def cmd_models_check(args: argparse.Namespace) -> int:
         print(describe(report))
     print(json.dumps(report))
     return 0 if report["ok"] else 1
+
+
+def cmd_models_encode_text(args: argparse.Namespace) -> int:
+    import torch
+
+    from avatarstream.hardware import check_device
+    from avatarstream.weights.umt5 import encode_text, locate
+
+    check_device(args.device)
+    if args.ckpt is None and (args.t5 is None or args.tokenizer is None):
+        raise ConfigError("give --ckpt (a Wan2.2-S2V-14B folder), or both --t5 and --tokenizer")
+    t5, tokenizer = locate(args.ckpt) if args.ckpt is not None else (None, None)
+    result = encode_text(args.prompt, t5=args.t5 or t5, tokenizer=args.tokenizer or tokenizer, out=args.out,
+                         dtype=getattr(torch, args.dtype), device=args.device)
+    if not args.json:
+        print(f"wrote {result['out']}: {result['tokens']} tokens x {result['dim']} ({result['dtype']})"
+              + (", prompt truncated to 512 tokens" if result["truncated"] else ""))
+    print(json.dumps(result))
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -367,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     except AvatarStreamError as e:
         print(f"avatarstream: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("avatarstream: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # its message may say where the partial output is kept
+        print(f"avatarstream: {e.args[0] if e.args else 'interrupted'}", file=sys.stderr)
         return 130
     finally:
         log.debug("done in %.2f s", time.perf_counter() - t0)

@@ -8,6 +8,8 @@
   named after its folder, and any weights folder `train export` wrote, named by its path.
 - `flashhead-pro:DIR`, `flashhead-lite:DIR`: a SoulX-FlashHead-1.3B download in its official
   layout (weights/flashhead_folder.py), which builds its own ModelSet (`ModelSpec.load`).
+- `liveavatar:DIR[,context=FILE][,lora=PATH][,wav2vec=PATH]`: a Wan2.2-S2V-14B + LiveAvatar LoRA
+  download (weights/liveavatar_model.py), the same way.
 
 Importing this module reads nothing: the bundled folders are found the first time a name is
 asked for or the models are listed (`MODELS` scans on first use), and weights are read only by
@@ -104,19 +106,25 @@ def available_models() -> list[str]:
 def model_spec_for(name: str) -> ModelSpec:
     """The registered model `name`, or a weights folder `train export` wrote (config.json and the
     .safetensors), registered under its path the first time it is asked for, or an official
-    download named `flashhead-pro:DIR` / `flashhead-lite:DIR` (weights/flashhead_folder.py)."""
+    download named `flashhead-pro:DIR` / `flashhead-lite:DIR` (weights/flashhead_folder.py) or
+    `liveavatar:DIR[,context=FILE]` (weights/liveavatar_model.py)."""
     spec = MODELS.get(name)
     if spec is None and name.startswith("flashhead-"):  # flashhead-pro:DIR, an official download
         from avatarstream.weights.flashhead_folder import flashhead_spec
 
         spec = flashhead_spec(name)
+    if spec is None and name.startswith("liveavatar:"):  # a Wan2.2-S2V-14B + LiveAvatar download
+        from avatarstream.weights.liveavatar_model import liveavatar_spec
+
+        spec = liveavatar_spec(name)
     if spec is None and (Path(name) / "config.json").is_file():
         spec = model_spec(Path(name), name=name)
         MODELS[name] = spec
     if spec is None:
         raise ConfigError(f"unknown model {name!r}; available: {', '.join(available_models())}, "
                           "a weights folder made by `avatarstream train export`, or "
-                          "flashhead-pro:DIR (a SoulX-FlashHead-1_3B download)")
+                          "flashhead-pro:DIR (a SoulX-FlashHead-1_3B download) or liveavatar:DIR (a "
+                          "Wan2.2-S2V-14B + LiveAvatar download)")
     return spec
 
 

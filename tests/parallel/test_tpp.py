@@ -13,7 +13,8 @@ import av
 import numpy as np
 import pytest
 
-from avatarstream.parallel.tpp import TPPJob, read_frames, run_tpp, split_steps
+from avatarstream.parallel.run import read_frames
+from avatarstream.parallel.tpp import TPPJob, run_tpp, split_steps
 
 from conftest import run_cli
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import torch
@@ -38,6 +40,11 @@ def test_not_a_fixture_is_one_clear_error(tmp_path):
     assert r.returncode != 0 and "no such fixture" in r.stderr
 
 
-def test_family_not_yet_supported_says_so():
-    r = run_cli("models", "parity", str(GOLDEN / "liveavatar-dit-a.safetensors"), "--json")
-    assert r.returncode != 0 and "not yet supported" in r.stderr and "Traceback" not in r.stderr
+def test_family_not_yet_supported_says_so(monkeypatch):
+    from avatarstream.errors import ConfigError
+    from avatarstream.parity import FAMILIES
+    from avatarstream.parity.fixture import run_parity
+
+    monkeypatch.setitem(FAMILIES, "liveavatar-dit", None)
+    with pytest.raises(ConfigError, match="not yet supported"):
+        run_parity(GOLDEN / "liveavatar-dit-a.safetensors")

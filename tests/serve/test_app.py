@@ -8,92 +8,17 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from pathlib import Path
 
 import av
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from avatarstream.bench.inputs import face_image, speechlike
-from avatarstream.serve.app import AVATARS, SESSIONS, ServerConfig, make_app
-from avatarstream.serve.avatars import UploadLimits
+from avatarstream.serve.app import AVATARS, SESSIONS
 from avatarstream.serve.openapi import openapi_schema
-from avatarstream.live.session import LiveSessionConfig
+
+from .helpers import A, B, SR, _app, _avatar, _pcm, _png, _run, _tone, _wav
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SR = 16000
-A = {"Authorization": "Bearer key-a"}
-B = {"Authorization": "Bearer key-b"}
-
-
-def _png(size: int = 96, blank: bool = False) -> bytes:
-    img = np.full((size, size, 3), 128, np.uint8) if blank else face_image(size)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="image2pipe") as c:
-        s = c.add_stream("png")
-        s.width = s.height = size
-        s.pix_fmt = "rgb24"
-        for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-            c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
-
-
-def _wav(seconds: float) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="wav") as c:
-        s = c.add_stream("pcm_s16le", rate=SR)
-        s.layout = "mono"
-        f = av.AudioFrame.from_ndarray(speechlike(seconds)[None], format="flt", layout="mono")
-        f.sample_rate = SR
-        for p in s.encode(f):
-            c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
-
-
-def _pcm(samples: np.ndarray) -> bytes:
-    return (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
-
-
-def _tone(seconds: float) -> np.ndarray:
-    t = np.arange(int(seconds * SR)) / SR
-    return (0.5 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-
-
-_MODELS: dict = {}
-
-
-def _app(tmp_path: Path, max_sessions: int | None = 4, **limits):  # type: ignore[no-untyped-def]
-    from avatarstream.registry import load_model
-
-    if "m" not in _MODELS:
-        _MODELS["m"] = load_model("tiny-random")
-        _MODELS["m"].config.steps = 1
-    models = _MODELS["m"]
-    cfg = ServerConfig(data_dir=tmp_path / "data", limits=UploadLimits(**limits),
-                       session=LiveSessionConfig(lead_s=0.2, max_buffer_s=2.0,
-                                                 idle_timeout_s=10.0),
-                       hls_segment_seconds=0.5, reap_every_s=0.2, max_sessions=max_sessions,
-                       playout_delay_s=0.3, max_render_seconds=30.0)
-    return make_app(models, cfg), models.config
-
-
-def _run(app, body, timeout: float = 60):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
-        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-            return await asyncio.wait_for(body(client), timeout=timeout)
-    return asyncio.run(main())
-
-
-async def _avatar(client, headers=A, data=None) -> str:  # type: ignore[no-untyped-def]
-    r = await client.post("/v1/avatars", data=data or _png(),
-                          headers={**headers, "Content-Type": "image/png"})
-    assert r.status == 201, await r.text()
-    return (await r.json())["id"]
 
 
 def test_openapi_lists_every_route(tmp_path):

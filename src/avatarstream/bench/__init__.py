@@ -21,4 +21,6 @@ BENCHMARKS: dict[str, str] = {
     "tpp": "avatarstream.bench.tpp",
     "drift": "avatarstream.bench.drift",
     "strategies": "avatarstream.bench.strategies",
+    "switch": "avatarstream.bench.switch",
+    "soak": "avatarstream.bench.soak",
 }

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from avatarstream.engine.config import SIZE_HELP, parse_size
 from avatarstream.errors import ConfigError, InputError
 
 HELP = "end-to-end generation speed of a real `generate` run: rtf (media/wall), ttff_s, fps"
@@ -44,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where generate runs the models (cuda: the first GPU; an error when there is none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: generate's own: all cores, all but one for causal)")
     p.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported")
+    p.add_argument("--size", default=None, metavar="WxH", help=SIZE_HELP)
     p.add_argument("--decode-inline", action="store_true",
                    help="decode in the generating thread (the A/B of the overlapped decode)")
 
@@ -104,11 +106,16 @@ def run(args: argparse.Namespace) -> dict:
             raise InputError(f"{p}: not found (run from the repository root, or pass --reference/--audio)")
     if args.repeat < 1:
         raise ConfigError("--repeat must be at least 1")
+    pipe = model_spec_for(model).pipeline()
+    if args.size is not None:  # checked here, before a generate process is started
+        pipe = pipe.with_size(*parse_size(args.size))
+    size_args = [] if args.size is None else ["--size", args.size]
     best = None
     for _ in range(args.repeat):
         summary, process_s, out = generate_once(model, args.reference, args.audio, steps=args.steps,
                                                 strategy=args.strategy, threads=args.threads,
-                                                extra=["--device", args.device] + (["--decode-inline"] if args.decode_inline else []))
+                                                extra=["--device", args.device, *size_args]
+                                                + (["--decode-inline"] if args.decode_inline else []))
         out.unlink(missing_ok=True)
         out.parent.rmdir()
         r = summarise(summary, process_s)
@@ -116,7 +123,6 @@ def run(args: argparse.Namespace) -> dict:
         if best is None or r["rtf"] > best["rtf"]:
             best = r
     assert best is not None
-    pipe = model_spec_for(model).pipeline()
     return {**best, "model": model, "steps": args.steps or pipe.steps, "strategy": args.strategy or pipe.strategy,
-            "threads": best["threads"], "resolution": pipe.hr_size,
+            "threads": best["threads"], "resolution": pipe.hr_size, "size": f"{pipe.out_hw[1]}x{pipe.out_hw[0]}",
             "decode_overlap": not args.decode_inline, "device": args.device}

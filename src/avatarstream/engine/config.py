@@ -1,9 +1,17 @@
 """What a model brings to the engine: its modules (`ModelSet`) and its inference settings
 (`PipelineConfig`: geometry, steps, guidance, continuity strategy). The stages, the chunk loop,
-the executors and the live scheduler all read these; the registry builds them."""
+the executors and the live scheduler all read these; the registry builds them.
+
+Geometry: the output video is `height` x `width` pixels, or `hr_size` square when neither is set
+(every config written before non-square video existed). A model with a refiner generates at
+`lr_size / hr_size` of that; latents are `spatial_stride` times smaller again, and the DiT folds
+`patch_size` x `patch_size` latents into a token, so each side must be a multiple of
+`pixel_multiple` output pixels (`check_geometry` says which, with the reason).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +25,8 @@ from avatarstream.errors import ConfigError
 class PipelineConfig:
     """Geometry and inference settings of one model family member (defaults come with the model)."""
 
-    lr_size: int  # base DiT resolution in pixels (latent = lr_size // 8)
-    hr_size: int  # output resolution in pixels
+    lr_size: int  # base DiT resolution in pixels of a square output (latent = lr_size // 8)
+    hr_size: int  # output resolution in pixels (the side of a square; `height`/`width` override it)
     latent_channels: int
     motion_dim: int
     chunk: int  # latent frames per chunk
@@ -45,6 +53,8 @@ class PipelineConfig:
     adaptive_sink: bool = True  # causal: Adaptive Attention Sink (first generated frame as sink)
     rolling_rope: bool = True  # causal: the sink's RoPE position moves with the window
     history_level: str = "same"  # causal: "same" (timestep forcing) or "next" (CausalSettings)
+    # causal: latents of the previous block each block is given (SR context; 0: none, LiveAvatar)
+    block_context: int = 1
     decode_overlap: bool = True  # VAE decode + publish on a thread of its own (bit-identical video)
     # prefix/interp: chunks made from the reference are given the scene frame at frame 0 (the
     # reference's first usable frame: Avatar V's driving first frame); False: reference only
@@ -56,6 +66,56 @@ class PipelineConfig:
     ref_t_position: float = -8.0
     fps: int = 25
     sample_rate: int = 16000
+    # non-square output: both set (pixels), or neither (hr_size square)
+    height: int | None = None
+    width: int | None = None
+    spatial_stride: int = 8  # pixels per latent side (the VAE's; LTX: 32)
+    patch_size: int = 2  # latents per DiT token side (FlashHead Lite: 1)
+
+    def __post_init__(self) -> None:
+        if (self.height is None) != (self.width is None):
+            raise ConfigError(f"give the video's height and width together (got height {self.height}, "
+                              f"width {self.width})")
+        if self.height is not None:
+            self.check_geometry()
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        """(H, W) of the output video in pixels."""
+        if self.height is None or self.width is None:
+            return self.hr_size, self.hr_size
+        return self.height, self.width
+
+    @property
+    def lr_hw(self) -> tuple[int, int]:
+        """(h, w) in pixels the DiT generates at (the output's for a direct model)."""
+        return tuple(s * self.lr_size // self.hr_size for s in self.out_hw)  # type: ignore[return-value]
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        """(h, w) of the DiT's latents."""
+        return tuple(s // self.spatial_stride for s in self.lr_hw)  # type: ignore[return-value]
+
+    @property
+    def pixel_multiple(self) -> int:
+        """What each side of the output must be a multiple of: one DiT token's pixels, times the
+        refiner's upscale (a whole number of tokens at the DiT's resolution)."""
+        return self.spatial_stride * self.patch_size * self.hr_size // self.lr_size
+
+    def check_geometry(self) -> None:
+        """A ConfigError naming the multiple when the output size cannot be generated."""
+        h, w = self.out_hw
+        m = self.pixel_multiple
+        if h < m or w < m or h % m or w % m:
+            up = self.hr_size // self.lr_size
+            why = (f"{self.spatial_stride}x smaller latents, {self.patch_size}x{self.patch_size} latents "
+                   f"a token" + (f", generated at 1/{up} of the output and upscaled" if up > 1 else ""))
+            raise ConfigError(f"video size {w}x{h} (width x height): both sides must be positive "
+                              f"multiples of {m} pixels for this model ({why})")
+
+    def with_size(self, height: int, width: int) -> PipelineConfig:
+        """This config rendering `height` x `width` pixels (checked: `check_geometry`)."""
+        return dataclasses.replace(self, height=int(height), width=int(width))
 
     @property
     def guidance(self) -> tuple[float, float] | None:
@@ -82,6 +142,26 @@ class PipelineConfig:
                               history_level=self.history_level,
                               ref_t_position=self.ref_t_position,
                               guidance=self.guidance if self.guidance_input else None)
+
+
+SIZE_HELP = ("video size in pixels, WIDTHxHEIGHT (e.g. 512x288) or one number for a square "
+             "(default: the model's); each side a multiple of what the model needs (16 for "
+             "FlashHead Pro, 32 for Lite and the bundled model)")
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """`--size` of generate, serve and bench realtime -> (height, width): "WxH" (also "W*H",
+    Wan's spelling) or "N" for N x N. Width first, as ffmpeg and the official scripts write it."""
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        nums = []
+    if len(nums) not in (1, 2) or min(nums) < 1:
+        raise ConfigError(f"--size {text!r}: give WIDTHxHEIGHT in pixels (e.g. 512x288) or one number "
+                          "for a square")
+    width, height = nums if len(nums) == 2 else nums * 2
+    return height, width
 
 
 @dataclass

@@ -29,11 +29,11 @@ def make_config_schedule(c: PipelineConfig) -> ContinuitySchedule:
     """The continuity schedule a pipeline config asks for."""
     return make_schedule(c.strategy, c.chunk, overlap=c.overlap, gap=c.interp_gap,
                          anchor=c.interp_anchor, block=c.block, scene=c.scene_frame,
-                         stride=c.latent_stride)
+                         stride=c.latent_stride, context=c.block_context)
 
 
 def context_stage(c: PipelineConfig) -> ContextStage:
-    return ContextStage(latent_channels=c.latent_channels, latent_size=c.lr_size // 8,
+    return ContextStage(latent_channels=c.latent_channels, latent_size=c.latent_hw,
                         motion_dim=c.motion_dim, seed=c.seed)
 
 

@@ -87,3 +87,24 @@ class Module:
     def reset_stats(self) -> None:
         self.forward_seconds = 0.0
         self.calls = 0
+
+
+class NotLoaded:
+    """Stands in for a network this rank does not load: costs nothing, and a call says which."""
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name, self.role = name, role
+        self.forward_seconds, self.calls = 0.0, 0
+        self.model = None
+
+    def reset_stats(self) -> None:
+        pass
+
+    def num_parameters(self) -> int:
+        return 0
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"the {self.role} rank does not load the {self.name} (parallel/roles.py) "
+                           f"but something called its {method!r}")
+
+    run = call

@@ -125,7 +125,8 @@ def reference_stage(m: ModelSet, c: PipelineConfig):  # type: ignore[no-untyped-
     """What encodes a request's reference once: the family's own (`ModelSet.reference`) or ours."""
     if m.reference is not None:
         return m.reference(m, c)
-    return ReferenceStage(m.dit, m.refiner, m.vae, m.text, lr_size=c.lr_size, ref_t_position=c.ref_t_position)
+    return ReferenceStage(m.dit, m.refiner, m.vae, m.text, lr_size=c.lr_hw, out_hw=c.out_hw,
+                          ref_t_position=c.ref_t_position)
 
 
 class Pipeline:

@@ -106,8 +106,9 @@ def measure_steps(models: ModelSet, prepared: PreparedReference, sessions: int, 
     return elapsed / steps, frames / steps / c.fps
 
 
-def encode_load(size: int, fps: int = 25, frames: int = 20) -> float:
-    """CPU seconds per media second that WebRTC's VP8 encoder spends on one stream at `size`."""
+def encode_load(size: int | tuple[int, int], fps: int = 25, frames: int = 20) -> float:
+    """CPU seconds per media second that WebRTC's VP8 encoder spends on one stream at `size`
+    (the side of a square, or (height, width))."""
     try:
         from aiortc.codecs.vpx import Vp8Encoder
     except ImportError:
@@ -117,7 +118,8 @@ def encode_load(size: int, fps: int = 25, frames: int = 20) -> float:
 
     enc = Vp8Encoder()
     rng = np.random.default_rng(0)
-    base = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+    h, w = (size, size) if isinstance(size, int) else size
+    base = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
     t0 = time.perf_counter()
     for i in range(frames):
         f = av.VideoFrame.from_ndarray(np.roll(base, i, axis=1), format="rgb24")
@@ -143,6 +145,6 @@ def calibrate(models: ModelSet, prepared: PreparedReference, *, target_load: flo
     c1, media = min(measure_steps(models, prepared, 1), measure_steps(models, prepared, 1))
     per = max(c2 - c1, 0.25 * c1)  # batching never makes a session free
     base = max(0.0, c1 - per)
-    cap = Capacity(0, base, per, media, encode_load(models.config.hr_size), target_load, True)
+    cap = Capacity(0, base, per, media, encode_load(models.config.out_hw), target_load, True)
     cap.max_sessions = cap.admissible(limit)
     return cap

@@ -10,7 +10,8 @@ File layout (tensor names): `{dit,refiner}.k.{layer}`, `{dit,refiner}.v.{layer}`
 `{dit,refiner}.motion`, `{dit,refiner}.t_pos`, optionally `{dit,refiner}.key_valid`, and the scene
 frame `scene.lr` [1, C, h, w] / `scene.motion` [1, Dm] (format 2); the metadata holds the model
 name, the layer count and the tokens per frame. A model family with a reference record of its own
-(FlashHead: `y` and the colour reference) stores it as `family.*` with metadata `family`. A file of an older format is not loaded (the
+(FlashHead: `y` and the colour reference; LiveAvatar: its reference and motion latents and prompt
+context) stores it as `family.*` with metadata `family`. A file of an older format is not loaded (the
 avatar store encodes the reference again).
 """
 
@@ -23,10 +24,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from avatarstream.cache.reference import ReferenceCache
-from avatarstream.engine.config import ModelSet
+from avatarstream.engine.config import ModelSet, PipelineConfig
 from avatarstream.engine.pipeline import reference_stage
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stages.flashhead import FlashHeadReference
+from avatarstream.engine.stages.liveavatar import LiveAvatarReference
+from avatarstream.errors import InputError
+
+# model families with a reference record of their own (`tensors()` / `from_tensors`), by file tag
+FAMILY_REFERENCES = {"flashhead": FlashHeadReference, "liveavatar": LiveAvatarReference}
 
 FORMAT = "avatarstream-prepared-reference-2"
 
@@ -44,6 +50,17 @@ class PreparedReference:
         state.dit_reference, state.refiner_reference = self.dit, self.refiner
         state.store.set_scene(self.scene_lr, self.scene_motion)
 
+    def check_geometry(self, config: PipelineConfig) -> None:
+        """An InputError when this avatar was prepared for another video size than `config`
+        renders (its scene latent `[1, C, h, w]` is not `config.latent_hw`): an avatar stored by
+        a server started with another `--size`."""
+        got = tuple(self.scene_lr.shape[-2:])
+        if got != config.latent_hw:
+            s = config.spatial_stride * config.hr_size // config.lr_size  # output pixels per latent
+            h, w = config.out_hw
+            raise InputError(f"this avatar was prepared for a {got[1] * s}x{got[0] * s} video and the "
+                             f"model renders {w}x{h} (width x height); upload the avatar again")
+
     def nbytes(self) -> int:
         return (self.dit.nbytes() + (0 if self.refiner is None else self.refiner.nbytes())
                 + self.scene_lr.numel() * 4
@@ -51,9 +68,10 @@ class PreparedReference:
 
 
 def prepare_reference(models: ModelSet, frames: torch.Tensor) -> PreparedReference:
-    """Encode reference frames [F, 3, H, W] uint8 (at hr_size) once: the ReferenceStage's work.
+    """Encode reference frames [F, 3, H, W] uint8 (at the model's `config.out_hw`) once: the
+    ReferenceStage's work.
 
-    Raises InputError when no frame is usable (blank reference)."""
+    Raises InputError when no frame is usable (blank reference) or the frames are of another size."""
     state = SessionState()
     with torch.inference_mode():
         reference_stage(models, models.config).run(state, frames, "")
@@ -89,9 +107,10 @@ def save_prepared(ref: PreparedReference, path: str | Path) -> None:
     """Write atomically (a temporary file renamed into place): a crash leaves no half file."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    if isinstance(ref.dit, FlashHeadReference):  # a model family's own reference record
+    family = next((tag for tag, cls in FAMILY_REFERENCES.items() if isinstance(ref.dit, cls)), None)
+    if family is not None:  # a model family's own reference record
         tensors.update({f"family.{k}": v for k, v in ref.dit.tensors().items()})
-        meta = {"format": FORMAT, "model": ref.model, "family": "flashhead"}
+        meta = {"format": FORMAT, "model": ref.model, "family": family}
     else:
         _flatten("dit", ref.dit, tensors)
         meta = {"format": FORMAT, "model": ref.model,
@@ -115,8 +134,9 @@ def load_prepared(path: str | Path) -> PreparedReference:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a prepared reference ({meta.get('format')!r})")
     t = load_file(str(path))
-    dit = (FlashHeadReference.from_tensors({k[7:]: v for k, v in t.items() if k.startswith("family.")})
-           if meta.get("family") == "flashhead"
+    family = FAMILY_REFERENCES.get(meta.get("family", ""))
+    dit = (family.from_tensors({k[7:]: v for k, v in t.items() if k.startswith("family.")})
+           if family is not None
            else _unflatten("dit", t, int(meta["dit_layers"]), int(meta["dit_tokens"])))
     return PreparedReference(
         meta["model"],

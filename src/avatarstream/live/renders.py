@@ -3,7 +3,8 @@
 A job is a TalkSegment over the whole audio (no pacing: as fast as the machine allows) publishing
 into a fragmented MP4 (playable while it is written). The ChunkScheduler runs one of its chunks
 whenever no live session has a chunk due, so renders use the spare time and never make a live
-session late. States: queued -> running -> done | failed | cancelled.
+session late. States: queued -> running -> done | failed | cancelled; `on_finish` (the server's
+job records) hears of each job once, when it reaches one of the last three.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class RenderJob:
     executor: LocalExecutor | None = None  # the engine's stages, decoded inline
     sink: BackgroundSink | None = None
     cancel_requested: bool = False
+    on_finish: Callable[[RenderJob], None] | None = None  # called once, on the scheduler thread
 
     @property
     def done(self) -> bool:
@@ -81,6 +83,7 @@ class RenderJob:
             self.state, self.finished = "cancelled", time.time()
             if self.sink is not None:
                 self.sink.abort()
+            self._finished()
             return
         if self.state == "queued":
             self.state, self.started = "running", time.time()
@@ -93,12 +96,21 @@ class RenderJob:
             assert self.sink is not None
             self.sink.close()
             self.state, self.finished = "done", time.time()
+            self._finished()
 
     def fail(self, error: BaseException) -> None:
         self.state, self.finished = "failed", time.time()
         self.error = str(error) if isinstance(error, InputError) else "the render failed"
         if self.sink is not None:
             self.sink.abort()
+        self._finished()
+
+    def _finished(self) -> None:
+        if self.on_finish is not None:
+            try:
+                self.on_finish(self)
+            except Exception:  # noqa: BLE001 - the job itself is over either way
+                log.warning("recording the end of render %s failed", self.id, exc_info=True)
 
     def cancel(self) -> None:
         """Ask the scheduler to stop the job at its next step (it removes the partial file)."""
@@ -119,12 +131,13 @@ class _SinkOutlet:
 
 class RenderManager:
     def __init__(self, data_dir: Path, models: ModelSet, *, max_seconds: float = 600.0,
-                 max_jobs: int = 16) -> None:
+                 max_jobs: int = 16, on_finish: Callable[[RenderJob], None] | None = None) -> None:
         self.dir = Path(data_dir) / "renders"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.models = models
         self.max_seconds = max_seconds
         self.max_jobs = max_jobs
+        self.on_finish = on_finish
         self.jobs: dict[str, RenderJob] = {}
         self._lock = threading.Lock()
 
@@ -146,12 +159,13 @@ class RenderManager:
         spf = c.sample_rate // c.fps
         path = self.dir / f"{job_id}.mp4"
         sink = BackgroundSink(FragmentedMP4Sink(path))
-        sink.open(c.hr_size, c.hr_size, c.fps, c.sample_rate)
+        sink.open(c.out_hw[1], c.out_hw[0], c.fps, c.sample_rate)
         text, mask = self.models.text.call("encode", [""])
         seg = TalkSegment(self.models, prepared, text, mask,
                           _pieces(audio, c.sample_rate // 5, spf), _SinkOutlet(sink), start_frame=0)
         job = RenderJob(job_id, owner, path, -(-audio.size // spf), segment=seg, sink=sink,
-                        executor=LocalExecutor(default_stages(self.models, c)))
+                        executor=LocalExecutor(default_stages(self.models, c)),
+                        on_finish=self.on_finish)
         with self._lock:
             self.jobs[job_id] = job
         return job
@@ -159,6 +173,11 @@ class RenderManager:
     def get(self, owner: str, job_id: str) -> RenderJob | None:
         job = self.jobs.get(job_id)
         return job if job is not None and job.owner == owner else None
+
+    def forget(self, job: RenderJob) -> None:
+        """Drop a finished job from memory (its record is kept elsewhere); its file stays."""
+        with self._lock:
+            self.jobs.pop(job.id, None)
 
     def remove(self, job: RenderJob) -> None:
         """Forget the job: a finished one's file is deleted, a running one is cancelled."""

@@ -36,6 +36,7 @@ from avatarstream.engine.executor import Executor, LocalExecutor
 from avatarstream.engine.config import ModelSet
 from avatarstream.engine.pipeline import default_stages
 from avatarstream.engine.session import SessionState
+from avatarstream.errors import AvatarStreamError
 from avatarstream.live.segment import TalkSegment
 
 if TYPE_CHECKING:
@@ -178,7 +179,9 @@ class ChunkScheduler:
                 try:
                     item = s.poll(now)
                 except Exception as e:  # noqa: BLE001 - one failing session must not stop the rest
-                    log.warning("live session failed", exc_info=True)
+                    # a user-facing error (disk full) is one line; anything else keeps its traceback
+                    log.warning("live session failed: %s", e,
+                                exc_info=not isinstance(e, AvatarStreamError))
                     self._drop(s, e)
                     continue
                 if item is not None:

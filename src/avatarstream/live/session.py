@@ -23,7 +23,8 @@ whatever else is attached (`add_sink`: the WebRTC playout, live HLS, ...).
 
 `events` (and the `on_event` callback) report what a client needs to measure latency and sync:
 `speech_started` / `speech_ended` with the media time of the segment's first / last frame,
-`cleared`, `session_ended` with a reason.
+`cleared`, `session_ended` with a reason (and, when it is "error", the error's message: one the
+user can act on, e.g. "no space left on device", or "internal error").
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ import numpy as np
 import torch
 
 from avatarstream.engine.config import ModelSet
+from avatarstream.engine.stages.reference import check_reference_size
+from avatarstream.errors import AvatarStreamError
 from avatarstream.media.frames import AudioChunk, VideoChunk
 from avatarstream.publish.base import Sink
 from avatarstream.live.idle import IdleAnimator
@@ -92,6 +95,9 @@ class LiveSession:
         self.queue = SpeechQueue(sample_rate=pc.sample_rate, max_buffer_s=c.max_buffer_s,
                                  max_script_s=c.max_script_s, idle_timeout_s=c.idle_timeout_s,
                                  now=now)
+        check_reference_size(reference, pc.out_hw)
+        if prepared is not None:
+            prepared.check_geometry(pc)
         self.idle = IdleAnimator(reference, fps=pc.fps)
         self.prepared = prepared
         self._prompt = prompt
@@ -129,7 +135,7 @@ class LiveSession:
         self._text = self.models.text.call("encode", [self._prompt])
         pc = self.models.config
         for s in self._sinks:
-            s.open(pc.hr_size, pc.hr_size, pc.fps, pc.sample_rate)
+            s.open(pc.out_hw[1], pc.out_hw[0], pc.fps, pc.sample_rate)
         self.origin = self.now()
         if self._own_scheduler:
             self.scheduler.start()
@@ -167,7 +173,7 @@ class LiveSession:
     def add_sink(self, sink: Sink) -> None:
         """Attach a sink from now on (opened here); it receives what is published after this."""
         pc = self.models.config
-        sink.open(pc.hr_size, pc.hr_size, pc.fps, pc.sample_rate)
+        sink.open(pc.out_hw[1], pc.out_hw[0], pc.fps, pc.sample_rate)
         with self._sinks_lock:
             self._sinks.append(sink)
 
@@ -370,16 +376,20 @@ class LiveSession:
                            "idle_timeout" if self.queue.idle_expired else "stopped")
         for s in self._sinks_now():
             _close_sink(s, ok=error is None or s.durable_frames > 0)
+        detail = {} if error is None else {
+            "error": str(error) if isinstance(error, AvatarStreamError) else "internal error"}
         self._emit("session_ended", reason=self.end_reason,
-                   media_s=round(self.frame / self.fps, 3))
+                   media_s=round(self.frame / self.fps, 3), **detail)
         self._ended.set()
 
 
 def _close_sink(sink: Sink, *, ok: bool) -> None:
     try:
         sink.close() if ok else sink.abort()
-    except Exception:  # noqa: BLE001 - one failing sink must not hide the others
-        log.warning("closing sink %r failed", sink, exc_info=True)
+    except Exception as e:  # noqa: BLE001 - one failing sink must not hide the others
+        # a user-facing error (disk full) is one line; anything else keeps its traceback
+        log.warning("closing sink %r failed: %s", sink, e,
+                    exc_info=not isinstance(e, AvatarStreamError))
 
 
 _NOTHING = object()

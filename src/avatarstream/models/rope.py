@@ -33,10 +33,12 @@ def _axis_freqs(pairs: int, theta: float) -> torch.Tensor:
 
 
 def rope_tables(t: torch.Tensor, h: torch.Tensor, w: torch.Tensor, head_dim: int,
-                theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+                theta: float = 10000.0, *, fp16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin `[N, hd/2]` float32 for tokens at float positions t, h, w (each `[N]`).
 
-    Angles are computed in float64 so large temporal offsets keep their precision.
+    Angles are computed in float64 so large temporal offsets keep their precision. `fp16`: cos
+    and sin rounded to float16 straight from float64, as a complex32 table holds them (Wan2.2-S2V
+    rotates by such a table; emulating it is what fp32 parity with that code needs).
     """
     pt, ph, pw = axis_pairs(head_dim)
     ang = torch.cat([
@@ -44,6 +46,8 @@ def rope_tables(t: torch.Tensor, h: torch.Tensor, w: torch.Tensor, head_dim: int
         h.double()[:, None] * _axis_freqs(ph, theta)[None],
         w.double()[:, None] * _axis_freqs(pw, theta)[None],
     ], dim=1)  # [N, hd/2]
+    if fp16:
+        return ang.cos().half().float(), ang.sin().half().float()
     return ang.cos().float(), ang.sin().float()
 
 

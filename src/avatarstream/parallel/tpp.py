@@ -1,7 +1,7 @@
-"""Timestep-forcing Pipeline Parallelism (Live Avatar sec. 4.3, Algorithm 4).
+"""Timestep-forcing Pipeline Parallelism (Live Avatar sec. 4.3, Algorithm 4): the protocol.
 
-`run_tpp(job)` starts `workers + 1` processes joined by torch.distributed (gloo on CPUs, NCCL
-when the job runs on CUDA devices):
+`workers + 1` processes joined by torch.distributed (gloo on CPUs, NCCL when the job runs on
+CUDA devices):
 
     rank 0 .. N-1   denoise workers: worker k owns a contiguous share of the denoising steps
                     (one step each when N = steps) and one rolling KV cache per step it owns;
@@ -23,19 +23,24 @@ which only the last denoise worker has. When it starts block 1 it sends that lat
 denoise worker, each of which waits for it before its own block 1 (the second warm-up of the
 paper's Fig. 8) and encodes it itself. So the sink every worker uses for block i is the one single-process generation uses,
 and the output equals single-process causal generation with the same seeds.
+
+Faults: every transfer is waited for with a deadline (`TPPJob.recv_timeout_s`), so a rank whose
+peer died stops with one line naming the peer (`RankFailure`) instead of hanging: gloo reports a
+closed connection at once, NCCL by the deadline; a rank that torchrun (or the CLI's launcher)
+terminates after another rank failed says so and closes its output, which stays playable up to
+the last published frame (`publish/file.py`).
+
+The processes themselves (who loads what, the CLI's spawn and torchrun's `env://`) are in
+`parallel/run.py` and `parallel/roles.py`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,9 +49,7 @@ from avatarstream.engine.pipeline import output_stages
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
 from avatarstream.engine.stages.causal import block_noise, new_denoiser, write_block
-from avatarstream.errors import AvatarStreamError, ConfigError, InputError
-
-log = logging.getLogger(__name__)
+from avatarstream.errors import AvatarStreamError, ConfigError
 
 TAG_LATENT, TAG_SINK = 1, 2
 
@@ -69,7 +72,20 @@ class TPPJob:
     threads: int = 1  # torch threads per process
     cpus: list[int] | None = None  # CPU affinity of every process (None: inherit)
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one device per rank, round robin)
-    timeout_s: float = 1800.0
+    timeout_s: float = 1800.0  # the process group's (collectives, the start barrier)
+    recv_timeout_s: float = 600.0  # the longest wait for a peer's latents before giving up
+    sequence_parallel: bool = False  # torchrun's ranks shard each DiT block instead (sp_run.py)
+
+    @property
+    def processes(self) -> int:
+        """The world size this plan needs: N denoise workers + 1 decode (+ 1 refine)."""
+        return self.workers + 1 + int(self.split_decode)
+
+
+class RankFailure(AvatarStreamError):
+    """This rank stops because another one did (or the launcher stopped it): one line, exit 1."""
+
+    exit_code = 1
 
 
 def split_steps(steps: int, workers: int) -> list[list[int]]:
@@ -90,18 +106,40 @@ def split_steps(steps: int, workers: int) -> list[list[int]]:
 # worker stages
 
 
-class _Link:
-    """Point-to-point latent transport of one rank (tensors staged on the rank's device)."""
+def wait_for(start: Callable[[], Any], rank: int, what: str, timeout_s: float) -> None:
+    """Start an async transfer (`start()`: a `dist.isend`/`irecv`) and wait for it at most
+    `timeout_s`. A transport error (gloo: the peer's connection closed, reported at once, when
+    the transfer starts or while it is waited for) or the deadline (NCCL, or a peer that hangs)
+    -> RankFailure naming `what`. (gloo's point-to-point work completes only inside `wait` and
+    cannot be waited for again after a timeout, so this is one timed wait, not a polling loop; a
+    SIGTERM that arrives meanwhile is handled when it returns.)"""
+    try:
+        start().wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        msg = str(e)
+        if "timed out" in msg.lower() or "timeout" in msg.lower():
+            raise RankFailure(f"rank {rank}: no {what} for {timeout_s:.0f} s (did that rank stop?); "
+                              "stopping") from None
+        first = next((ln for ln in msg.splitlines() if ln.strip()), type(e).__name__)
+        first = first.split("] ", 1)[-1].split(". This is")[0][:160]  # gloo: its source location first
+        raise RankFailure(f"rank {rank}: lost {what} ({first}); stopping") from None
 
-    def __init__(self, rank: int, device: torch.device) -> None:
-        self.rank, self.device = rank, device
+
+class _Link:
+    """Point-to-point latent transport of one rank (tensors staged on the rank's device), every
+    transfer waited for with a deadline (`wait_for`)."""
+
+    def __init__(self, rank: int, device: torch.device, timeout_s: float = 600.0) -> None:
+        self.rank, self.device, self.timeout_s = rank, device, timeout_s
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        dist.send(t.detach().float().contiguous().to(self.device), dst, tag=tag)
+        buf = t.detach().float().contiguous().to(self.device)
+        wait_for(lambda: dist.isend(buf, dst, tag=tag), self.rank, f"the link to rank {dst} (send)",
+                 self.timeout_s)
 
     def recv(self, shape: tuple[int, ...], src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=torch.float32, device=self.device)
-        dist.recv(buf, src, tag=tag)
+        wait_for(lambda: dist.irecv(buf, src, tag=tag), self.rank, f"latents from rank {src}", self.timeout_s)
         return buf.cpu()
 
 
@@ -210,10 +248,15 @@ class DenoiseWorker:
     rank: int
     shares: list[list[int]]
     device: str = "cpu"
+    timeout_s: float = 600.0  # the longest wait for a peer (`wait_for`)
 
     def __call__(self, models: Any, config: Any) -> list[Stage]:
         _check_causal(config)
-        link = _Link(self.rank, torch.device(self.device))
+        link = _Link(self.rank, torch.device(self.device), self.timeout_s)
+        from avatarstream.parallel import liveavatar_tpp  # a model family's own stages, same protocol
+
+        if liveavatar_tpp.is_liveavatar(models):
+            return liveavatar_tpp.denoise_rank_stages(models, config, self.rank, self.shares, link)
         return [TPPDenoiseStage(models, config, self.rank, self.shares, link)]
 
 
@@ -226,11 +269,19 @@ class DecodeWorker:
     workers: int
     role: str = "decode"  # "decode" (SR + decode) | "refine" (SR only) | "publish" (decode only)
     device: str = "cpu"
+    timeout_s: float = 600.0
 
     def __call__(self, models: Any, config: Any) -> list[Stage]:
         _check_causal(config)
         n = self.workers
-        link = _Link(n + (self.role == "publish"), torch.device(self.device))
+        link = _Link(n + (self.role == "publish"), torch.device(self.device), self.timeout_s)
+        from avatarstream.parallel import liveavatar_tpp
+
+        if liveavatar_tpp.is_liveavatar(models):
+            if self.role != "decode":
+                raise ConfigError("--split-decode splits the SR refiner from the decode; LiveAvatar has "
+                                  "no refiner: leave it out")
+            return liveavatar_tpp.decode_rank_stages(models, config, n - 1, link)
         out = output_stages(models, config)  # SR, decode + publish
         if self.role == "publish":
             return [ReceiveRefinedStage(n, link), out[-1]]
@@ -245,155 +296,16 @@ def _check_causal(config: Any) -> None:
                           "per-step KV caches); add --strategy causal")
 
 
-# ---------------------------------------------------------------------------------------------
-# processes
+def run_tpp(job: TPPJob) -> dict[str, Any] | None:
+    """Run the job: on `job.processes` processes spawned here, or, inside a process torchrun
+    started (`parallel/launch.py`), as this process's rank (of the pipeline, or with
+    `sequence_parallel` of `parallel/sp_run.py`). Returns the publishing rank's summary
+    (`RunSummary.as_dict()` plus `workers`, `processes`, `split_decode`, `step_shares`), None on
+    the other ranks of a torchrun job (see `parallel/run.py`)."""
+    from avatarstream.parallel.run import launched_by_torchrun, run_this_rank, spawn
 
+    if job.sequence_parallel:
+        from avatarstream.parallel.sp_run import run_sequence_parallel
 
-class _FrameDump:
-    """A sink appending raw uint8 frames to a file (`frames_out`: exact output, for comparisons)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
-        self.durable_frames = 0
-        self.shape: tuple[int, int] | None = None
-
-    def open(self, width: int, height: int, fps: int, sample_rate: int) -> None:
-        self.shape = (height, width)
-        self._f = open(self.path, "wb")
-
-    def write_video(self, chunk: Any) -> None:
-        self._f.write(np.ascontiguousarray(chunk.frames, dtype=np.uint8).tobytes())
-        self.durable_frames += int(chunk.frames.shape[0])
-
-    def write_audio(self, chunk: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        self._f.close()
-
-    def abort(self) -> None:
-        self._f.close()
-
-
-def read_frames(path: str | Path, size: int) -> np.ndarray:
-    """Frames written by `frames_out`: `[F, size, size, 3]` uint8."""
-    return np.fromfile(str(path), dtype=np.uint8).reshape(-1, size, size, 3)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _sinks(job: TPPJob, cfg: Any) -> list[Any]:
-    sinks: list[Any] = []
-    if job.out:
-        from avatarstream.publish.file import FragmentedMP4Sink
-
-        sinks.append(FragmentedMP4Sink(Path(job.out)))
-    if job.hls:
-        from avatarstream.publish.hls import HLSSink
-
-        sinks.append(HLSSink(job.hls))
-    if job.frames_out:
-        sinks.append(_FrameDump(job.frames_out))
-    for s in sinks:
-        s.open(cfg.hr_size, cfg.hr_size, cfg.fps, cfg.sample_rate)
-    return sinks
-
-
-def _worker(rank: int, job: TPPJob, port: int, results: Any) -> None:
-    """Body of one spawned process (rank < workers: denoise; rank == workers: decode)."""
-    from avatarstream.engine.pipeline import Pipeline
-    from avatarstream.media.audio import AudioReader
-    from avatarstream.media.reference import load_reference
-    from avatarstream.registry import load_model, model_spec_for
-
-    torch.set_num_threads(max(1, job.threads))
-    if job.cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, job.cpus)
-    n = job.workers
-    world = n + 1 + job.split_decode
-    last = world - 1  # the rank that publishes
-    cuda = job.device.startswith("cuda")
-    device = f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=job.timeout_s))
-    sinks: list[Any] = []
-    ok = False
-    try:
-        spec_cfg = model_spec_for(job.model).pipeline()
-        reference = load_reference(job.reference, size=spec_cfg.hr_size, max_frames=spec_cfg.ref_pixel_frames)
-        reader = AudioReader(job.audio, sample_rate=spec_cfg.sample_rate, max_seconds=job.max_audio_seconds)
-        models = load_model(job.model, device=device)
-        for k, v in job.overrides.items():
-            setattr(models.config, k, v)
-        cfg = models.config
-        shares = split_steps(cfg.steps, n)
-        if rank < n:
-            build: Any = DenoiseWorker(rank, shares, device)
-        else:
-            role = "decode" if not job.split_decode else ("refine" if rank == n else "publish")
-            build = DecodeWorker(n, role, device)
-        if rank == last:
-            sinks = _sinks(job, cfg)
-        dist.barrier()  # start together: the pipeline's fps and ttff are measured from here
-        summary = Pipeline(models, stages=build).run(reference.frames, iter(reader), sinks,
-                                                      prompt=job.prompt,
-                                                      max_audio_seconds=job.max_audio_seconds)
-        ok = True
-        if rank == last:
-            results.put({"summary": summary.as_dict(), "shares": shares})
-    except AvatarStreamError as e:
-        results.put({"error": str(e), "kind": type(e).__name__, "rank": rank})
-        raise
-    finally:
-        for s in sinks:
-            if ok or s.durable_frames > 0:
-                s.close()
-            else:
-                s.abort()
-        dist.destroy_process_group()
-
-
-def run_tpp(job: TPPJob) -> dict[str, Any]:
-    """Run the job on `workers + 1` (`+ 2` with split_decode) spawned processes; returns the
-    publishing worker's summary (`RunSummary.as_dict()` plus `workers`, `processes`,
-    `split_decode`, `step_shares`)."""
-    import torch.multiprocessing as mp
-
-    from avatarstream.registry import model_spec_for
-
-    base = model_spec_for(job.model).pipeline()
-    if job.overrides.get("strategy", base.strategy) != "causal":
-        _check_causal(base)  # validate before starting anything
-    split_steps(job.overrides.get("steps", base.steps), job.workers)
-    if job.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available here")
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
-    try:
-        mp.start_processes(_worker, args=(job, port, results), nprocs=job.workers + 1 + job.split_decode,
-                           join=True, start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        msgs = []
-        while not results.empty():
-            msgs.append(results.get())
-        err = next((m for m in msgs if "error" in m), None)
-        if err is not None:  # a user mistake the workers found: the same error, one line
-            cls = {"ConfigError": ConfigError, "InputError": InputError}.get(err["kind"], AvatarStreamError)
-            raise cls(err["error"]) from None
-        raise RuntimeError(f"a pipeline worker failed:\n{e}") from None
-    out = None
-    while not results.empty():
-        item = results.get()
-        if "summary" in item:
-            out = item
-    if out is None:
-        raise RuntimeError("the decode worker finished without a summary")
-    summary = dict(out["summary"])
-    summary.update(workers=job.workers, processes=job.workers + 1 + job.split_decode,
-                   split_decode=job.split_decode, step_shares=out["shares"])
-    return summary
+        return run_sequence_parallel(job)
+    return run_this_rank(job) if launched_by_torchrun() else spawn(job)

@@ -15,5 +15,6 @@ FAMILIES: dict[str, str | None] = {
     "ltx-vae": "avatarstream.parity.ltx_vae",
     "wav2vec2": "avatarstream.parity.wav2vec2",
     "flashhead-dit": "avatarstream.parity.flashhead_dit",
-    "liveavatar-dit": None,  # issue 29
+    "liveavatar-dit": "avatarstream.parity.liveavatar_dit",
+    "umt5": "avatarstream.parity.umt5",
 }

@@ -1,10 +1,15 @@
-"""The sink protocol: where published frames and the session's audio go."""
+"""The sink protocol: where published frames and the session's audio go; and how a run ends them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from avatarstream.errors import AvatarStreamError, OutputError
 from avatarstream.media.frames import AudioChunk, VideoChunk
+from avatarstream.publish.output import Kept
 
 
 @runtime_checkable
@@ -14,7 +19,8 @@ class Sink(Protocol):
     `open` is called once before anything is written; `close` finishes the output normally;
     `abort` removes whatever a run that published nothing useful left behind. `durable_frames`
     is how many video frames a reader of the output can already decode (a killed process keeps
-    at least those).
+    at least those). The file and HLS sinks also have `reserve` (take the output's lock before
+    any work) and `keep` (a failed run: keep what was written, return where): `end_sinks`.
     """
 
     durable_frames: int
@@ -28,3 +34,79 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+def end_sinks(sinks: Sequence[Sink], ok: bool) -> list[Kept]:
+    """End every sink of a run, whatever happens to one of them.
+
+    ok: close each (an atomic output replaces the old one); a sink whose close fails keeps what it
+    wrote instead, and the first such OutputError is raised after every sink is ended, naming what
+    was kept. Not ok: each sink with `keep` keeps what it wrote (deletes it when it holds no
+    frame); any other sink is closed when it published frames, else aborted. Returns what was kept
+    beside its final path (`Kept`), for the caller to tell the user.
+    """
+    kept: list[Kept] = []
+    error: OutputError | None = None
+    for sink in sinks:
+        if ok:
+            try:
+                sink.close()
+                continue
+            except OutputError as e:
+                error = error or e
+        keep = getattr(sink, "keep", None)
+        if keep is not None:
+            k = keep()
+            if k is not None:
+                kept.append(k)
+        elif sink.durable_frames > 0:
+            sink.close()
+        else:
+            sink.abort()
+    if error is not None:
+        raise OutputError(with_kept(str(error), kept)) from error
+    return kept
+
+
+def with_kept(message: str, kept: Sequence[Kept]) -> str:
+    """`message`, then where each kept output is ("...; the 50 frames written are kept in ...")."""
+    return "; ".join([message.rstrip("."), *(k.note() for k in kept)])
+
+
+@contextmanager
+def ending(sinks: Sequence[Sink]) -> Iterator[None]:
+    """Run the body, then end the sinks (`end_sinks`, ok when the body finished). When the body
+    fails (a user error, a bug, SIGINT) after something was kept, its message says where:
+    an AvatarStreamError's or KeyboardInterrupt's message gets it appended (the CLI prints those
+    as one line), any other exception a note under its traceback."""
+    try:
+        yield
+    except BaseException as e:
+        kept = end_sinks(sinks, ok=False)
+        if kept:
+            if isinstance(e, (AvatarStreamError, KeyboardInterrupt)):
+                e.args = (with_kept(str(e) or "interrupted", kept),)
+            else:
+                e.add_note(with_kept("the run failed", kept))
+        raise
+    end_sinks(sinks, ok=True)
+
+
+def generate_outputs(out: str | Path, hls: str | Path | None = None) -> list[Sink]:
+    """The sinks of `generate --out OUT [--hls DIR]`: atomic (a new file replaces an old one only
+    when complete) and reserved now, so a second run writing the same path is refused before
+    any work (OutputError)."""
+    from avatarstream.publish.file import FragmentedMP4Sink
+    from avatarstream.publish.hls import HLSSink
+
+    sinks: list = [FragmentedMP4Sink(out, atomic=True)]
+    if hls:
+        sinks.append(HLSSink(hls, atomic=True))
+    for i, sink in enumerate(sinks):
+        try:
+            sink.reserve()
+        except OutputError:
+            for held in sinks[:i]:
+                held.abort()
+            raise
+    return sinks

@@ -19,6 +19,7 @@ import numpy as np
 
 from avatarstream.errors import OutputError
 from avatarstream.media.frames import AudioChunk, VideoChunk
+from avatarstream.publish.output import os_reason
 
 _AAC_FRAME = 1024  # samples per AAC frame (the encoder's frame_size)
 
@@ -139,13 +140,22 @@ class EncodingSink:
             raise RuntimeError(f"{type(self).__name__}.open() must be called before writing")
         return self._enc
 
+    def _write_error(self) -> BaseException | None:
+        """The OS error behind a failed write, where the sink saw it itself (the muxer reports
+        it only as a failed callback); None: the muxer's own error says it."""
+        return None
+
+    def _failed(self, verb: str, e: BaseException) -> OutputError:
+        cause = self._write_error() or e
+        return OutputError(f"cannot {verb} {self._output}: {os_reason(cause)}")
+
     def write_video(self, chunk: VideoChunk) -> None:
         """Encode a chunk. Its first frame is an IDR keyframe: the file sink's previous fragment
         goes to disk there, the HLS sink cuts a segment there once `segment_seconds` passed."""
         try:
             self._encoder().add_video(chunk)
         except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot write {self._output}: {e}") from e
+            raise self._failed("write", e) from e
         self._update_durable()
 
     def write_audio(self, chunk: AudioChunk) -> None:
@@ -153,11 +163,12 @@ class EncodingSink:
         try:
             self._encoder().add_audio(chunk)
         except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot write {self._output}: {e}") from e
+            raise self._failed("write", e) from e
         self._update_durable()
 
     def close(self) -> None:
-        """Drain the encoders, let the muxer write what is left and its index, close the output."""
+        """Drain the encoders, let the muxer write what is left and its index, close the output.
+        An OutputError when any write failed (then the output is not complete)."""
         if self._container is None:
             return
         try:
@@ -166,8 +177,11 @@ class EncodingSink:
                     self._enc.finish()
             finally:
                 self._close_output()
+            failed = self._write_error()
+            if failed is not None:  # the muxer's later writes were dropped: the output is cut
+                raise OutputError(f"cannot write {self._output}: {os_reason(failed) or 'interrupted'}")
         except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot finish {self._output}: {e}") from e
+            raise self._failed("finish", e) from e
         finally:
             self._update_durable()
             self._forget()

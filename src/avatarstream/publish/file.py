@@ -20,6 +20,21 @@ fragment).
 `delay_moov` lets the muxer write the `moov` after it has seen the first packets, so the AAC
 encoder's priming samples are hidden by an edit list and the audio starts exactly at 0.
 
+Where the file is written
+-------------------------
+In place (`atomic=False`, for a path nobody else has: a server render's own file), or, with
+`atomic=True` (what `generate --out` uses), beside the final path (`publish/output.py`): the new
+file grows at `talk.partial-<pid>.mp4`, playable all along, and is renamed over `talk.mp4` only by
+`close`. `abort` deletes the partial and `keep` (a failed run that wrote frames) leaves it under its
+name; the old `talk.mp4` is untouched by both. A second writer of the same path is refused.
+
+Write errors
+------------
+A failed write (disk full, a file-size limit, SIGINT in the middle of a write) cuts the file back
+to the end of its last whole fragment and drops every later write, so the file still decodes to
+`durable_frames` frames; the error is reported with the path and the OS's words ("no space left on
+device"), not as the muxer's callback failure.
+
 Audio and video timing
 ----------------------
 Video pts are timeline frame indices (`start_frame + i`, time base 1/fps); audio pts are timeline
@@ -39,6 +54,7 @@ import av
 
 from avatarstream.errors import OutputError
 from avatarstream.publish.encoder import AVEncoder, EncodingSink
+from avatarstream.publish.output import AtomicOutput, Kept, os_reason
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +82,19 @@ class FragmentFile:
     treats the output as a stream and never rewrites earlier bytes.
     """
 
-    def __init__(self, path: Path, *, track_id: int = 1, fsync: bool = False) -> None:
+    def __init__(self, path: Path, *, track_id: int = 1, fsync: bool = False,
+                 exclusive: bool = False) -> None:
         self.path = path
         self.track_id = track_id
         self.fsync = fsync
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        mode = os.O_EXCL if exclusive else os.O_TRUNC  # exclusive: a new file, never an existing one
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o644)
         self._buf = bytearray()  # bytes from the muxer not yet forming a whole box
         self._held = bytearray()  # a complete moof waiting for its mdat
         self._held_samples = 0
         self.durable_samples = 0
         self.bytes_written = 0
+        self.error: BaseException | None = None  # the first failed write; later writes are dropped
 
     def write(self, data: bytes) -> int:
         self._buf += data
@@ -111,17 +130,36 @@ class FragmentFile:
                 self._write(bytes(self._held) + box)
                 self._held.clear()
                 self._held_samples = 0
-                self.durable_samples += samples
+                if self.error is None:
+                    self.durable_samples += samples
 
     def _write(self, data: bytes) -> None:
+        """Write whole boxes; on failure cut the file back to where they began (the end of the
+        last whole fragment), remember the error and drop every later write."""
         assert self._fd is not None
+        if self.error is not None:
+            return
         view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        if self.fsync:
-            os.fsync(self._fd)
+        try:
+            while view:
+                n = self._os_write(self._fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(self._fd)
+        except BaseException as e:  # also KeyboardInterrupt: never leave half a fragment
+            self.error = e
+            try:
+                os.ftruncate(self._fd, self.bytes_written)
+                os.lseek(self._fd, self.bytes_written, os.SEEK_SET)
+            except OSError as t:
+                log.debug("cutting %s back to its last fragment: %s", self.path, t)
+            raise
         self.bytes_written += len(data)
+
+    @staticmethod
+    def _os_write(fd: int, data: memoryview) -> int:
+        """One `os.write` (a seam for tests that simulate a full disk)."""
+        return os.write(fd, data)
 
     def close(self) -> None:
         """Write whatever is left (complete or not) and close the file."""
@@ -129,7 +167,7 @@ class FragmentFile:
             return
         try:
             rest = bytes(self._held) + bytes(self._buf)
-            if rest:
+            if rest and self.error is None:
                 self._write(rest)
                 self.durable_samples += self._held_samples
         finally:
@@ -173,32 +211,49 @@ def _children(data: bytes, start: int, end: int):  # type: ignore[no-untyped-def
 
 
 class FragmentedMP4Sink(EncodingSink):
-    """Publish to a fragmented MP4 file at its final path, playable while it is being written.
+    """Publish to a fragmented MP4 file, playable while it is being written.
 
-    `durable_frames` is the number of video frames a reader of the file can already decode; they
-    stay in the file if the process is killed. `write_*` run on the publisher thread; `open`,
-    `close` and `abort` on the caller's thread (never concurrently with writes).
+    `atomic=False` writes at `path` itself; `atomic=True` writes beside it and renames over it on
+    `close` (module doc), taking a lock on `path` in `reserve` (or `open`). `writing` is the file
+    the bytes go to. `durable_frames` is the number of video frames a reader of that file can
+    already decode; they stay in it if the process is killed. `write_*` run on the publisher
+    thread; `reserve`, `open`, `close`, `keep` and `abort` on the caller's thread (never
+    concurrently with writes).
     """
 
     MOVFLAGS = "frag_keyframe+empty_moov+delay_moov+default_base_moof"
 
     def __init__(self, path: str | Path, *, crf: int = 20, preset: str = "veryfast",
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, atomic: bool = False) -> None:
         self.path = Path(path)
         self.crf = crf
         self.preset = preset
         self.fsync = fsync
         self.durable_frames = 0
+        self.writing = self.path
+        self._target = AtomicOutput(self.path) if atomic else None
         self._file: FragmentFile | None = None
         self._container: av.container.OutputContainer | None = None
         self._enc: AVEncoder | None = None
 
+    def reserve(self) -> None:
+        """Take the lock on `path` now (atomic mode; a no-op otherwise): a second writer of the
+        same path is refused with an OutputError before any work is done."""
+        if self._target is not None:
+            self._target.reserve()
+
     def open(self, width: int, height: int, fps: int, sample_rate: int) -> None:
-        """Create (or truncate) the file and set up the encoders."""
+        """Create the file (the partial one in atomic mode; else truncate `path`) and set up the
+        encoders."""
+        if self._target is not None:
+            self.writing = self._target.begin()
         try:
-            self._file = FragmentFile(self.path, fsync=self.fsync)
+            self._file = FragmentFile(self.writing, fsync=self.fsync,
+                                      exclusive=self._target is not None)
         except OSError as e:
-            raise OutputError(f"cannot write {self._output}: {e.strerror or e}") from e
+            if self._target is not None:
+                self._target.discard()
+            raise OutputError(f"cannot write {self._output}: {os_reason(e)}") from e
         self._container = av.open(self._file, "w", format="mp4",
                                   container_options={"movflags": self.MOVFLAGS})
         self._enc = AVEncoder(self._container, width, height, fps, sample_rate, crf=self.crf,
@@ -206,7 +261,12 @@ class FragmentedMP4Sink(EncodingSink):
 
     @property
     def _output(self) -> str:
+        if self.writing != self.path:
+            return f"{self.writing} (the new {self.path})"
         return f"the output {self.path}"
+
+    def _write_error(self) -> BaseException | None:
+        return None if self._file is None else self._file.error
 
     def _update_durable(self) -> None:
         if self._file is not None:
@@ -214,28 +274,93 @@ class FragmentedMP4Sink(EncodingSink):
 
     def _close_output(self) -> None:
         """The muxer writes the last fragment and the index; then the file is closed."""
-        super()._close_output()
-        assert self._file is not None
-        self._file.close()
+        try:
+            super()._close_output()
+        finally:
+            assert self._file is not None
+            self._file.close()
 
     def _forget(self) -> None:
         super()._forget()
         self._file = None
 
+    def close(self) -> None:
+        """Finish the file; in atomic mode rename it over `path`. On an OutputError the partial
+        file and the lock stay: follow with `keep` or `abort`."""
+        if self._container is not None:
+            super().close()
+        if self._target is None:
+            return
+        if self._target.partial is None:
+            self._target.discard()  # reserved, never opened: drop the lock
+            return
+        self._target.commit()
+        self.writing = self.path
+
+    def keep(self) -> Kept | None:
+        """The run failed: finish what was written (a full disk cannot take more: the file then
+        ends at its last whole fragment) and, in atomic mode, leave it under its partial name when
+        it has frames (returned), else delete it. In place: kept at `path` when it has frames."""
+        wrote = self._file is not None
+        if self._container is not None:
+            try:
+                super().close()
+            except OutputError as e:
+                log.debug("finishing the kept %s: %s", self.writing, e)
+        if self._target is None:
+            if wrote and self.durable_frames <= 0:
+                self.path.unlink(missing_ok=True)
+            return None
+        return self._target.keep(self.durable_frames)
+
     def abort(self) -> None:
-        """Stop without finishing and delete the file (the run produced nothing worth keeping)."""
+        """Stop without finishing and delete what this run wrote (in atomic mode the partial file;
+        the file at `path` is then untouched)."""
         container, file = self._container, self._file
         self._container = self._enc = self._file = None
-        if file is None:
-            return
-        try:
-            if container is not None:
-                container.close()
-        except (OSError, av.FFmpegError) as e:  # best effort: the file is removed below anyway
-            log.debug("closing the muxer of %s on abort: %s", self.path, e)
-        try:
-            file.close()
-        except OSError as e:
-            log.debug("closing %s on abort: %s", self.path, e)
-        self.path.unlink(missing_ok=True)
+        if file is not None:
+            try:
+                if container is not None:
+                    container.close()
+            except (OSError, av.FFmpegError) as e:  # best effort: the file is removed below anyway
+                log.debug("closing the muxer of %s on abort: %s", self.writing, e)
+            try:
+                file.close()
+            except OSError as e:
+                log.debug("closing %s on abort: %s", self.writing, e)
+        if self._target is not None:
+            self._target.discard()
+        elif file is not None:
+            self.path.unlink(missing_ok=True)
         self.durable_frames = 0
+
+
+class ReservedOutput:
+    """An atomic output whose bytes another process writes in place at `writing` (the decode rank
+    of `generate --workers`): this side holds the lock and ends it as `end_sinks` ends a sink —
+    `close` renames it over `path`, `keep` keeps it when it holds frames, `abort` deletes it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._target = AtomicOutput(self.path)
+        self.writing = self._target.begin()  # takes the lock: a second writer is refused here
+        self.durable_frames = 0
+
+    def close(self) -> None:
+        self._target.commit()
+
+    def keep(self) -> Kept | None:
+        self.durable_frames = decodable_frames(self.writing)
+        return self._target.keep(self.durable_frames)
+
+    def abort(self) -> None:
+        self._target.discard()
+
+
+def decodable_frames(path: Path) -> int:
+    """Video frames (packets) a reader finds in the MP4 at `path`; 0 when it does not open."""
+    try:
+        with av.open(str(path)) as c:
+            return sum(1 for packet in c.demux(video=0) if packet.size)
+    except (av.FFmpegError, OSError, IndexError, ValueError):
+        return 0

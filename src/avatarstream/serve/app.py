@@ -15,15 +15,18 @@
     POST   /v1/renders                       {"avatar_id", "text"} or audio body ?avatar_id=
     GET    /v1/renders/{id} | /v1/renders/{id}/output;  DELETE /v1/renders/{id}
 
-Requests carry `Authorization: Bearer KEY`; with `api_keys` given only those keys are accepted,
-otherwise any non-empty key names a tenant. Session routes also accept the session's `?token=`.
-Errors are JSON `{"error": message}` with a proper status, never a traceback.
+Requests carry `Authorization: Bearer KEY` (the scheme in any case, RFC 7235); with `api_keys`
+given only those keys are accepted (and `/v1/server` needs one too), otherwise any non-empty key
+is accepted and names its own tenant. Session routes also accept the session's `?token=`.
+Errors are JSON `{"error": message}` with a proper status, never a traceback or a server path.
+What one request may cost is bounded by `ServerConfig.limits` (serve/limits.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,10 +36,12 @@ from pathlib import Path
 from aiohttp import web
 
 from avatarstream.engine.config import ModelSet, PipelineConfig
-from avatarstream.errors import AvatarStreamError
-from avatarstream.serve.avatars import AvatarStore, UnsupportedUploadError, UploadLimits
+from avatarstream.errors import AvatarStreamError, InputError
+from avatarstream.serve.avatars import AvatarStore, UnsupportedUploadError
+from avatarstream.serve.limits import Limits, parse_json
 from avatarstream.serve.openapi import openapi_schema
-from avatarstream.live.renders import RenderManager
+from avatarstream.serve.render_records import RenderRecords
+from avatarstream.live.renders import RenderJob, RenderManager
 from avatarstream.live.capacity import Capacity
 from avatarstream.live.scheduler import ChunkScheduler
 from avatarstream.live.session import LiveSessionConfig
@@ -64,14 +69,12 @@ def live_chunk(config: PipelineConfig, seconds: float | None) -> int:
 class ServerConfig:
     data_dir: Path
     api_keys: frozenset[str] | None = None  # None: any non-empty bearer key
-    limits: UploadLimits = field(default_factory=UploadLimits)
+    limits: Limits = field(default_factory=Limits)  # what one request may cost
     session: LiveSessionConfig = field(default_factory=LiveSessionConfig)
     hls_segment_seconds: float = 1.0
     reap_every_s: float = 1.0  # how often ended (idle-timed-out) sessions are cleaned up
     max_sessions: int | None = None  # None: measured at start-up (calibrate)
     playout_delay_s: float | None = None  # None: derived from the model's measured chunk time
-    max_render_seconds: float = 600.0
-    max_text_chars: int = 2000
     piper_voice: str | None = None
     batching: bool = True
     # chunk length of every session and render, prefix overlap included; None: the model's own,
@@ -84,8 +87,10 @@ AVATARS: web.AppKey[AvatarStore] = web.AppKey("avatars", AvatarStore)
 SESSIONS: web.AppKey[SessionManager] = web.AppKey("sessions", SessionManager)
 SCHEDULER: web.AppKey[ChunkScheduler] = web.AppKey("scheduler", ChunkScheduler)
 RENDERS: web.AppKey[RenderManager] = web.AppKey("renders", RenderManager)
+RECORDS: web.AppKey[RenderRecords] = web.AppKey("records", RenderRecords)
 TTS: web.AppKey[TextToSpeech] = web.AppKey("tts", TextToSpeech)
 MODELS: web.AppKey[ModelSet] = web.AppKey("models", ModelSet)
+UPLOADS: web.AppKey[asyncio.Semaphore] = web.AppKey("uploads", asyncio.Semaphore)
 
 
 def error(status: int, message: str, **headers: str) -> web.Response:
@@ -93,20 +98,23 @@ def error(status: int, message: str, **headers: str) -> web.Response:
 
 
 def api_key(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if not auth.startswith("Bearer "):
+    """The request's bearer key if the server accepts it, else None. The scheme is
+    case-insensitive and may be followed by several spaces (RFC 7235)."""
+    scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer":
         return None
-    key = auth[len("Bearer "):].strip()
+    key = key.strip()
     allowed: frozenset[str] | None = request.app[CONFIG].api_keys
     if not key or (allowed is not None and key not in allowed):
         return None
     return key
 
 
-async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
-    """The request body, or a 413 error past `limit` bytes."""
+async def read_body(request: web.Request, limit: int, what: str = "upload") -> bytes | web.Response:
+    """The request body, or a 413 error past `limit` bytes (refused before it is read when the
+    request says its length)."""
     if request.content_length is not None and request.content_length > limit:
-        return error(413, f"the upload is {request.content_length} bytes; the limit is {limit} bytes")
+        return error(413, f"the {what} is {request.content_length} bytes; the limit is {limit} bytes")
     parts, size = [], 0
     try:
         while True:  # read() returns what has arrived so far: read to the end, bounded
@@ -116,10 +124,23 @@ async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
             parts.append(part)
             size += len(part)
             if size > limit:
-                return error(413, f"the upload is larger than the limit of {limit} bytes")
+                return error(413, f"the {what} is larger than the limit of {limit} bytes")
     except ValueError as e:
         return error(400, f"cannot read the upload: {e}")
     return b"".join(parts)
+
+
+async def read_json(request: web.Request) -> object | web.Response:
+    """The JSON body, or the 413/400 refusing it: too large, too deep (both checked before it is
+    parsed) or not JSON."""
+    limits = request.app[CONFIG].limits
+    data = await read_body(request, limits.max_json_bytes, "JSON body")
+    if isinstance(data, web.Response):
+        return data
+    try:
+        return parse_json(data, limits)
+    except InputError as e:
+        return error(400, str(e))
 
 
 async def post_avatar(request: web.Request) -> web.Response:
@@ -127,14 +148,15 @@ async def post_avatar(request: web.Request) -> web.Response:
     if key is None:
         return error(401, "send `Authorization: Bearer KEY`")
     store = request.app[AVATARS]
-    data = await read_body(request, store.limits.max_bytes)
-    if isinstance(data, web.Response):
-        return data
-    ctype = request.headers.get("Content-Type", "")
-    try:
-        avatar = await asyncio.to_thread(store.create, key, data, ctype)
-    except AvatarStreamError as e:
-        return error(415 if isinstance(e, UnsupportedUploadError) else 400, str(e))
+    async with request.app[UPLOADS]:  # at most max_parallel_uploads bodies read and decoded
+        data = await read_body(request, store.limits.max_bytes)
+        if isinstance(data, web.Response):
+            return data
+        ctype = request.headers.get("Content-Type", "")
+        try:
+            avatar = await asyncio.to_thread(store.create, key, data, ctype)
+        except AvatarStreamError as e:
+            return error(415 if isinstance(e, UnsupportedUploadError) else 400, str(e))
     return web.json_response(avatar.as_dict(), status=201)
 
 
@@ -155,6 +177,8 @@ async def get_voices(request: web.Request) -> web.Response:
 
 
 async def get_server(request: web.Request) -> web.Response:
+    if request.app[CONFIG].api_keys is not None and api_key(request) is None:
+        return error(401, "send `Authorization: Bearer KEY`")
     sched, sessions = request.app[SCHEDULER], request.app[SESSIONS]
     cap = sched.capacity
     return web.json_response({
@@ -167,7 +191,7 @@ async def get_server(request: web.Request) -> web.Response:
 
 
 async def get_openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_schema())
+    return web.json_response(openapi_schema(request.app[CONFIG].limits))
 
 
 async def get_page(request: web.Request) -> web.Response:
@@ -188,6 +212,12 @@ async def json_errors(request: web.Request,
         raise
     except AvatarStreamError as e:
         return error(400, str(e))
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            log.exception("request %s %s failed", request.method, request.path)
+            return error(500, "internal error (see the server log)")
+        log.warning("request %s %s: no space left on device", request.method, request.path)
+        return error(507, "the server has no space left on its disk; try again later")
     except Exception:
         log.exception("request %s %s failed", request.method, request.path)
         return error(500, "internal error (see the server log)")
@@ -205,14 +235,13 @@ async def _reaper(app: web.Application) -> None:
 def _measure(models: ModelSet, config: ServerConfig, sched: ChunkScheduler,
              sessions: SessionManager) -> None:
     """Capacity and playout delay from the model's measured chunk time on this machine."""
-    import torch
-
+    from avatarstream.media.reference import fit_resize
     from avatarstream.media.synthetic import face_image
     from avatarstream.live.prepared import prepare_reference
     from avatarstream.live.capacity import calibrate, measure_steps
 
     c = models.config
-    frames = torch.from_numpy(face_image(c.hr_size)).permute(2, 0, 1).unsqueeze(0)
+    frames = fit_resize(face_image(max(c.out_hw)), *c.out_hw).unsqueeze(0)  # [1, 3, H, W]
     prepared = prepare_reference(models, frames)
     if config.max_sessions is None:
         sched.capacity = calibrate(models, prepared)
@@ -250,6 +279,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await app[SESSIONS].close_all()
     await asyncio.to_thread(sched.stop)
     app[AVATARS].close()
+    app[RECORDS].close()
+
+
+async def _close_sessions(app: web.Application) -> None:
+    await app[SESSIONS].close_all()
 
 
 def make_app(models: ModelSet, config: ServerConfig) -> web.Application:
@@ -260,16 +294,26 @@ def make_app(models: ModelSet, config: ServerConfig) -> web.Application:
     models = dataclasses.replace(models, config=dataclasses.replace(
         models.config, chunk=live_chunk(models.config, config.seconds_per_chunk)))
     c = models.config
-    app = web.Application(client_max_size=config.limits.max_bytes + 1024, middlewares=[json_errors])
+    limits = config.limits
+    app = web.Application(client_max_size=limits.max_bytes + 1024, middlewares=[json_errors])
     app[CONFIG] = config
     app[MODELS] = models
-    app[AVATARS] = AvatarStore(config.data_dir, size=c.hr_size, max_frames=c.ref_pixel_frames,
-                               limits=config.limits, models=models)
+    app[UPLOADS] = asyncio.Semaphore(limits.max_parallel_uploads)
+    app[AVATARS] = AvatarStore(config.data_dir, size=c.out_hw, max_frames=c.ref_pixel_frames,
+                               limits=limits, models=models)
     app[SCHEDULER] = ChunkScheduler(models, batching=config.batching)
     app[SESSIONS] = SessionManager(models, config, app[SCHEDULER])
-    app[RENDERS] = RenderManager(config.data_dir, models, max_seconds=config.max_render_seconds)
-    app[TTS] = TextToSpeech(piper_voice=config.piper_voice, max_chars=config.max_text_chars)
+    records = app[RECORDS] = RenderRecords(config.data_dir)
+
+    def finished(job: RenderJob) -> None:  # the scheduler thread: record it, then let it go
+        records.finish(job)
+        renders.forget(job)
+
+    renders = app[RENDERS] = RenderManager(config.data_dir, models, on_finish=finished,
+                                           max_seconds=limits.max_render_seconds)
+    app[TTS] = TextToSpeech(piper_voice=config.piper_voice, max_chars=limits.max_text_chars)
     app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_close_sessions)  # before the server waits for open handlers
     app.router.add_get("/", get_page)
     app.router.add_get("/openapi.json", get_openapi)
     app.router.add_get("/v1/server", get_server)

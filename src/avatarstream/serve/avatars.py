@@ -13,11 +13,14 @@ nothing (the server answers 404, so ids of others cannot even be confirmed).
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
 import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +30,13 @@ from safetensors.torch import load_file, save_file
 
 from avatarstream.engine.config import ModelSet
 from avatarstream.errors import InputError
+from avatarstream.media.image import check_pixels, decoder_options
 from avatarstream.media.reference import load_reference
 from avatarstream.live.prepared import (PreparedReference, load_prepared, prepare_reference,
                                          save_prepared)
+from avatarstream.serve.limits import Limits
+
+log = logging.getLogger(__name__)
 
 _ID = re.compile(r"^[0-9a-f]{24}$")
 _MODEL = re.compile(r"[^A-Za-z0-9._-]")
@@ -47,17 +54,11 @@ class UnsupportedUploadError(InputError):
 
 
 @dataclass(frozen=True)
-class UploadLimits:
-    max_bytes: int = 50 * 1024 * 1024
-    max_seconds: float = 60.0  # reference videos longer than this are refused
-
-
-@dataclass(frozen=True)
 class Avatar:
     id: str
     created: float
     frames: int
-    size: int
+    size: int | str  # the side of square frames, or "WIDTHxHEIGHT"
     is_image: bool
     content_type: str
 
@@ -82,13 +83,30 @@ def key_fingerprint(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+def public_message(e: InputError, path: Path) -> str:
+    """The message of an error about the server's own copy of an upload at `path`, without
+    the path (a client learns nothing of the server's folders)."""
+    message = str(e).replace(f"reference {path}", "the uploaded reference")
+    return message.replace(str(path), "the upload")
+
+
+def save_atomic(write: Callable[[Path], None], path: Path) -> None:
+    """`write(tmp)` beside `path`, then rename: a crash never leaves a partial file at `path`."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class AvatarStore:
-    def __init__(self, data_dir: str | Path, *, size: int, max_frames: int,
-                 limits: UploadLimits | None = None, models: ModelSet | None = None) -> None:
+    def __init__(self, data_dir: str | Path, *, size: int | tuple[int, int], max_frames: int,
+                 limits: Limits | None = None, models: ModelSet | None = None) -> None:
         self.dir = Path(data_dir) / "avatars"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.size, self.max_frames = size, max_frames
-        self.limits = limits or UploadLimits()
+        self.limits = limits or Limits()
         self.models = models
         self._lock = threading.Lock()
         self._prepare_lock = threading.Lock()
@@ -99,6 +117,19 @@ class AvatarStore:
                 "CREATE TABLE IF NOT EXISTS avatars (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
                 "created REAL NOT NULL, frames INTEGER NOT NULL, size INTEGER NOT NULL, "
                 "is_image INTEGER NOT NULL, content_type TEXT NOT NULL)")
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """Files a killed server left behind: uploads being decoded (`*.upload.*`), partial
+        writes (`*.partial`, `*.tmp`), and the files of an avatar whose row was never written."""
+        with self._lock:
+            ids = {r[0] for r in self._db.execute("SELECT id FROM avatars")}
+        stale = [f for f in self.dir.iterdir() if f.is_file() and (
+            ".upload." in f.name or f.name.endswith((".partial", ".tmp")) or f.name[:24] not in ids)]
+        for f in stale:
+            f.unlink(missing_ok=True)
+        if stale:
+            log.info("removed %d file(s) left by interrupted uploads", len(stale))
 
     def close(self) -> None:
         self._db.close()
@@ -111,24 +142,33 @@ class AvatarStore:
         if len(data) > self.limits.max_bytes:
             raise InputError(f"the upload is {len(data)} bytes; the limit is "
                              f"{self.limits.max_bytes} bytes")
+        # What it would cost is read from the headers, before anything is decoded: an image's
+        # pixels here, a video's length and frame size (and the decoder's own bound) below.
+        check_pixels(data, self.limits.max_pixels, what="the uploaded reference")
         avatar_id = secrets.token_hex(12)
         tmp = self.dir / f"{avatar_id}.upload{UPLOAD_TYPES[ctype]}"
         try:
             tmp.write_bytes(data)
-            if ctype.startswith("video/"):
-                self._check_duration(tmp)
-            ref = load_reference(tmp, size=self.size, max_frames=self.max_frames)
+            try:
+                if ctype.startswith("video/"):
+                    self._check_duration(tmp)
+                ref = load_reference(tmp, size=self.size, max_frames=self.max_frames,
+                                     max_pixels=self.limits.max_pixels)
+            except InputError as e:
+                raise InputError(public_message(e, tmp)) from e
             prepared = None
             if self.models is not None:
                 prepared = prepare_reference(self.models, ref.frames)  # InputError if blank
                 self.encodes += 1
-            save_file({"frames": ref.frames.contiguous()}, str(self.dir / f"{avatar_id}.safetensors"))
-            if prepared is not None:
+            frames = ref.frames.contiguous()
+            save_atomic(lambda p: save_file({"frames": frames}, str(p)),
+                        self.dir / f"{avatar_id}.safetensors")
+            if prepared is not None:  # written atomically too
                 save_prepared(prepared, self._prepared_path(avatar_id, prepared.model))
         finally:
             tmp.unlink(missing_ok=True)
-        avatar = Avatar(avatar_id, time.time(), int(ref.frames.shape[0]), self.size,
-                        ref.is_image, ctype)
+        size = self.size if isinstance(self.size, int) else f"{self.size[1]}x{self.size[0]}"  # (H, W)
+        avatar = Avatar(avatar_id, time.time(), int(ref.frames.shape[0]), size, ref.is_image, ctype)
         with self._lock, self._db:
             self._db.execute("INSERT INTO avatars VALUES (?, ?, ?, ?, ?, ?, ?)",
                              (avatar.id, key_fingerprint(api_key), avatar.created, avatar.frames,
@@ -137,10 +177,12 @@ class AvatarStore:
 
     def _check_duration(self, path: Path) -> None:
         try:
-            with av.open(str(path)) as c:
+            # the probe decodes a frame or two: bounded as the loader's own decoding is
+            with av.open(str(path), options=decoder_options(self.limits.max_pixels)) as c:
                 seconds = c.duration / 1e6 if c.duration else 0.0
         except (av.FFmpegError, OSError, ValueError) as e:
-            raise InputError(f"the upload is not a readable video ({e})") from e
+            reason = getattr(e, "strerror", None) or e.__class__.__name__
+            raise InputError(f"the upload is not a readable video ({reason})") from e
         if seconds > self.limits.max_seconds:
             raise InputError(f"the reference video is {seconds:.1f} s long; the limit is "
                              f"{self.limits.max_seconds:g} s (a few seconds are enough)")

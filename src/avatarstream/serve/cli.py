@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
+from avatarstream.engine.config import SIZE_HELP, parse_size
 from avatarstream.errors import ConfigError
+from avatarstream.serve.limits import add_limit_arguments, limits_from_args
 
 log = logging.getLogger(__name__)
+
+KEYS_HELP = ("accept only this bearer key (repeatable; /v1/server needs one too). Default: any "
+             "non-empty bearer key is accepted and is its own tenant (its avatars, sessions and "
+             "renders are its own)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,11 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the models run (cuda: the first GPU; an error when there is none)")
     p.add_argument("--data-dir", default="serve-data",
                    help="folder for avatars (SQLite + tensors), renders and live session files")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="accept only this bearer key (repeatable; default: any non-empty key)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY", help=KEYS_HELP)
     p.add_argument("--idle-timeout", type=float, default=30.0,
                    help="end a session after this many seconds without speech or keep-alive")
-    p.add_argument("--max-upload-mb", type=float, default=50.0)
     p.add_argument("--max-sessions", type=int, default=None,
                    help="live sessions served at once (default: measured at start-up; the "
                         "sessions beyond it are refused with 503)")
@@ -37,22 +42,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunk length in seconds of video, prefix overlap included (default: the "
                         "model's own, at most 0.8 s = 5 latent frames; the first speech frame waits "
                         "for one chunk's audio and compute, so shorter chunks start sooner)")
+    p.add_argument("--size", default=None, metavar="WxH", help=SIZE_HELP)
     p.add_argument("--no-batching", action="store_true",
                    help="run every session's chunks on their own (for comparison)")
     p.add_argument("--piper-voice", default=None, metavar="MODEL.onnx",
                    help="a piper voice model for the 'piper' TTS voice (needs avatarstream[piper])")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_limit_arguments(p)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Serve until interrupted; returns what was served."""
     import torch
-    from aiohttp import web
-
     from avatarstream.hardware import check_device
-    from avatarstream.registry import load_model, resolve_model
+    from avatarstream.registry import load_model, model_spec_for, resolve_model
     from avatarstream.serve.app import ServerConfig, make_app
-    from avatarstream.serve.avatars import UploadLimits
+    from avatarstream.serve.runner import serve_app
     from avatarstream.live.session import LiveSessionConfig
     from avatarstream.serve.webrtc import is_loopback_host, use_host_addresses
 
@@ -69,14 +74,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = ServerConfig(
         data_dir=Path(args.data_dir),
         api_keys=frozenset(args.api_key) if args.api_key else None,
-        limits=UploadLimits(max_bytes=int(args.max_upload_mb * 1024 * 1024)),
+        limits=limits_from_args(args),
         session=LiveSessionConfig(idle_timeout_s=args.idle_timeout, lead_s=args.lead),
         max_sessions=args.max_sessions, playout_delay_s=args.playout_delay,
         piper_voice=args.piper_voice, batching=not args.no_batching,
         seconds_per_chunk=args.seconds_per_chunk,
     )
-    app = make_app(load_model(model, device=args.device), config)
+    size = None if args.size is None else parse_size(args.size)
+    if size is not None:  # checked before any weight is read: the multiple the model needs
+        model_spec_for(model).pipeline().with_size(*size)
+    models = load_model(model, device=args.device)
+    if size is not None:
+        models = dataclasses.replace(models, config=models.config.with_size(*size))
+    app = make_app(models, config)
     log.info("serving %s on http://%s:%d (data in %s)", model, args.host, args.port,
              config.data_dir)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    serve_app(app, args.host, args.port)
     return {"host": args.host, "port": args.port, "model": model}

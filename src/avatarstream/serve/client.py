@@ -189,9 +189,11 @@ class ServerProcess:
     """
 
     def __init__(self, data_dir: Path, *, model: str = "tiny-random", args: tuple[str, ...] = (),
-                 threads: int = 1, timeout: float = 180.0) -> None:
+                 threads: int = 1, timeout: float = 180.0, log: Path | None = None) -> None:
+        """log: where the server's stderr goes (default: server.log in the data folder)."""
         self.data_dir, self.model, self.args = Path(data_dir), model, args
         self.threads, self.timeout = threads, timeout
+        self.log = Path(log) if log is not None else self.data_dir / "server.log"
         self.port = 0
         self.proc: Any = None
 
@@ -209,16 +211,19 @@ class ServerProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.log = self.data_dir / "server.log"
         cmd = [sys.executable, "-m", "avatarstream.cli", "serve", "--port", str(self.port),
                "--data-dir", str(self.data_dir), "--model", self.model,
                "--threads", str(self.threads), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                      stderr=self.log.open("w"))
         deadline = time.monotonic() + self.timeout
+        # a server with --api-key answers /v1/server to one of its keys only
+        keys = [v for k, v in zip(self.args, self.args[1:]) if k == "--api-key"]
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         while True:
             try:
-                with urllib.request.urlopen(self.url + "/v1/server", timeout=2) as r:
+                req = urllib.request.Request(self.url + "/v1/server", headers=headers)
+                with urllib.request.urlopen(req, timeout=2) as r:
                     self.info = json.loads(r.read())
                 return self
             except OSError:

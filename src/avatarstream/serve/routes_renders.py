@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import tempfile
 from pathlib import Path
@@ -20,7 +19,8 @@ import numpy as np
 from aiohttp import web
 
 from avatarstream.errors import AvatarStreamError, InputError
-from avatarstream.serve.app import AVATARS, MODELS, RENDERS, SCHEDULER, TTS, error, read_body
+from avatarstream.serve.app import (AVATARS, MODELS, RECORDS, RENDERS, SCHEDULER, TTS, UPLOADS,
+                                    error, read_body, read_json)
 from avatarstream.serve.avatars import UnsupportedUploadError, key_fingerprint, upload_type
 from avatarstream.serve.guards import caller_key, resolved
 
@@ -41,88 +41,105 @@ def decode_audio(data: bytes, content_type: str, max_seconds: float) -> np.ndarr
     ctype = upload_type(content_type, AUDIO_TYPES, "audio")
     if not data:
         raise InputError("the audio is empty")
+    pieces, size, limit = [], 0, max_seconds * 16000
     with tempfile.TemporaryDirectory(prefix="avatarstream-upload-") as d:
         path = Path(d) / f"speech{AUDIO_TYPES[ctype]}"
         path.write_bytes(data)
         try:
-            pieces = [x.numpy() for x in AudioReader(path)]
-        except InputError as e:  # its message names a temporary file: say it for the upload
+            for x in AudioReader(path):  # decoding stops at the limit
+                pieces.append(x.numpy())
+                size += pieces[-1].size
+                if size > limit:
+                    raise InputError(f"the audio is longer than {max_seconds:g} s, the limit "
+                                     f"of a render")
+        except InputError as e:
+            if size > limit:
+                raise
+            # its message names a temporary file: say it for the upload
             raise InputError("the upload is not audio this server can read (send wav, mp3, "
                              "flac, ogg, m4a or webm with speech in it)") from e
-    x = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-    if x.size > max_seconds * 16000:
-        raise InputError(f"the audio is {x.size / 16000:.1f} s long; renders are limited to "
-                         f"{max_seconds:g} s")
-    return x
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
 
 @ROUTES.post("/v1/renders")
 @resolved(caller_key)
 async def post_render(request: web.Request, key: str) -> web.Response:
-    renders = request.app[RENDERS]
+    renders, store = request.app[RENDERS], request.app[AVATARS]
     ctype = request.headers.get("Content-Type", "")
-    data = await read_body(request, request.app[AVATARS].limits.max_bytes)
-    if isinstance(data, web.Response):
-        return data
     try:
         if ctype.startswith("application/json"):
-            try:
-                body = json.loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                body = None
+            body = await read_json(request)
+            if isinstance(body, web.Response):
+                return body
             if not isinstance(body, dict) or not isinstance(body.get("avatar_id"), str):
                 return error(400, 'send {"avatar_id": "...", "text": "..."} or the audio itself')
-            avatar_id = body["avatar_id"]
             text, voice = body.get("text"), body.get("voice")
             if not isinstance(text, str) or (voice is not None and not isinstance(voice, str)):
                 return error(400, 'send {"avatar_id": "...", "text": "...", "voice": "..."}')
-            audio = None
-        else:
-            avatar_id = request.query.get("avatar_id", "")
-            text = voice = None
-            audio = await asyncio.to_thread(decode_audio, data, ctype, renders.max_seconds)
-        store = request.app[AVATARS]
-        avatar = store.get(key, avatar_id)
-        if avatar is None:
-            return error(404, "no such avatar")
-        if audio is None:
+            avatar = store.get(key, body["avatar_id"])
+            if avatar is None:
+                return error(404, "no such avatar")
             audio = await asyncio.to_thread(request.app[TTS].speak, text, voice)
+        else:  # the speech itself: its type and avatar are checked before the body is read
+            upload_type(ctype, AUDIO_TYPES, "audio")
+            avatar = store.get(key, request.query.get("avatar_id", ""))
+            if avatar is None:
+                return error(404, "no such avatar")
+            async with request.app[UPLOADS]:
+                data = await read_body(request, store.limits.max_bytes)
+                if isinstance(data, web.Response):
+                    return data
+                audio = await asyncio.to_thread(decode_audio, data, ctype, renders.max_seconds)
         prepared = await asyncio.to_thread(store.prepared, avatar, request.app[MODELS])
         job = await asyncio.to_thread(renders.create, key_fingerprint(key), prepared, audio)
     except AvatarStreamError as e:
         return error(415 if isinstance(e, UnsupportedUploadError) else 400, str(e))
+    request.app[RECORDS].add(job)  # before it can finish
     request.app[SCHEDULER].add_job(job)
     return web.json_response(job.as_dict(), status=202)
 
 
-async def _job(request: web.Request) -> RenderJob | web.Response:
-    """The caller's render named in the path, or the 401/404 refusing it."""
+Found = tuple[str, "RenderJob | None", dict]  # (id, the job while this process runs it, state)
+
+
+async def _job(request: web.Request) -> Found | web.Response:
+    """The caller's render named in the path, or the 401/404 refusing it. A finished job is
+    answered from its record."""
     key = await caller_key(request)
     if isinstance(key, web.Response):
         return key
-    job_id = request.match_info["id"]
-    job = request.app[RENDERS].get(key_fingerprint(key), job_id) if _ID.match(job_id) else None
-    return job if job is not None else error(404, "no such render")
+    job_id, owner = request.match_info["id"], key_fingerprint(key)
+    if not _ID.match(job_id):
+        return error(404, "no such render")
+    job = request.app[RENDERS].get(owner, job_id)
+    info = job.as_dict() if job is not None else request.app[RECORDS].get(owner, job_id)
+    return error(404, "no such render") if info is None else (job_id, job, info)
 
 
 @ROUTES.get("/v1/renders/{id}")
 @resolved(_job)
-async def get_render(request: web.Request, job: RenderJob) -> web.Response:
-    return web.json_response(job.as_dict())
+async def get_render(request: web.Request, found: Found) -> web.Response:
+    return web.json_response(found[2])
 
 
 @ROUTES.get("/v1/renders/{id}/output")
 @resolved(_job)
-async def get_render_output(request: web.Request, job: RenderJob) -> web.StreamResponse:
-    if not job.path.is_file():
-        return error(404, "nothing written yet" if not job.done else f"the render {job.state}")
-    return web.FileResponse(job.path, headers={"Content-Type": "video/mp4"})
+async def get_render_output(request: web.Request, found: Found) -> web.StreamResponse:
+    job_id, _, info = found
+    path = request.app[RECORDS].path(job_id)
+    if not path.is_file():
+        return error(404, "nothing written yet" if info["state"] in ("queued", "running")
+                     else f"the render {info['state']}")
+    return web.FileResponse(path, headers={"Content-Type": "video/mp4"})
 
 
 @ROUTES.delete("/v1/renders/{id}")
 @resolved(_job)
-async def delete_render(request: web.Request, job: RenderJob) -> web.Response:
-    request.app[RENDERS].remove(job)
+async def delete_render(request: web.Request, found: Found) -> web.Response:
+    job_id, job, _ = found
+    if job is not None:
+        request.app[RENDERS].remove(job)  # a running job is cancelled
+    request.app[RECORDS].remove(job_id)
     return web.Response(status=204)
 
 

@@ -4,29 +4,32 @@ The WebSocket carries binary PCM16 mono 16 kHz speech and JSON text messages bot
 client -> server `{"type": "end_of_speech" | "clear_buffer" | "keep_alive"}` and
 `{"type": "text", "text": ..., "voice": ...}`; server -> client `slow_down` (a packet did not fit
 the speech buffer: send it again later), `cleared`, `queued`, `error`, and the session's events
-(`playout`, `speech_started`, `speech_ended`, `session_ended`).
+(`playout`, `speech_started`, `speech_ended`, `session_ended`). An audio packet of up to
+`Limits.max_packet_bytes` is taken; a larger one closes the socket with 1009 (message too big) and
+a reason that says the limit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import secrets
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
-from avatarstream.errors import AvatarStreamError
-from avatarstream.serve.app import AVATARS, SESSIONS, TTS, api_key, error
+from avatarstream.errors import AvatarStreamError, InputError
+from avatarstream.serve.app import AVATARS, CONFIG, SESSIONS, TTS, api_key, error, read_json
 from avatarstream.serve.avatars import key_fingerprint
 from avatarstream.serve.guards import caller_key, resolved
 from avatarstream.serve.hls import NAME as HLS_NAME
 from avatarstream.serve.hls import PLAYLIST
+from avatarstream.serve.limits import parse_json
 from avatarstream.serve.sessions import AdmissionError, Entry
 
 _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
-MAX_CONTROL_BYTES = 16 * 1024
-MAX_PACKET_BYTES = 64 * 1024  # 2 s of PCM16 at 16 kHz
+# A message up to this many times its limit is read and refused with a reason; beyond, aiohttp
+# closes with 1009 before reading it (the memory a socket can hold stays bounded).
+_READ_OVER_LIMIT = 4
 ROUTES = web.RouteTableDef()  # each handler's method and path stand above it
 
 
@@ -41,17 +44,16 @@ async def _entry(request: web.Request) -> Entry | web.Response:
         return error(401, "send `Authorization: Bearer KEY` or the session's ?token=")
     if entry is None:
         return error(404, "no such session")
-    if not ((token is not None and secrets.compare_digest(token, entry.token))
+    if not ((token is not None and secrets.compare_digest(token.encode(), entry.token.encode()))
             or (key is not None and key_fingerprint(key) == entry.owner)):
         return error(404, "no such session")
     return entry
 
 
 async def _json(request: web.Request) -> dict | web.Response:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return error(400, "send a JSON object as the body")
+    body = await read_json(request)
+    if isinstance(body, web.Response):
+        return body
     if not isinstance(body, dict):
         return error(400, "send a JSON object as the body")
     return body
@@ -183,7 +185,9 @@ async def post_control(request: web.Request, entry: Entry) -> web.Response:
 @resolved(_entry)
 async def session_audio(request: web.Request, entry: Entry) -> web.StreamResponse:
     session = entry.session
-    ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=MAX_PACKET_BYTES)
+    limits = request.app[CONFIG].limits
+    largest = max(limits.max_packet_bytes, limits.max_json_bytes)
+    ws = web.WebSocketResponse(heartbeat=20.0, max_msg_size=_READ_OVER_LIMIT * largest + 1)
     await ws.prepare(request)
     entry.sockets.add(ws)
     if entry.playout_start_s is not None:
@@ -191,6 +195,11 @@ async def session_audio(request: web.Request, entry: Entry) -> web.StreamRespons
     try:
         async for msg in ws:
             if msg.type == WSMsgType.BINARY:
+                if len(msg.data) > limits.max_packet_bytes:
+                    await ws.close(code=WSCloseCode.MESSAGE_TOO_BIG, message=(
+                        f"audio packets are at most {limits.max_packet_bytes} bytes; this one "
+                        f"was {len(msg.data)}").encode())
+                    break
                 try:
                     ok = session.offer_audio(msg.data)
                 except AvatarStreamError as e:
@@ -211,10 +220,11 @@ async def session_audio(request: web.Request, entry: Entry) -> web.StreamRespons
 async def _control(request: web.Request, ws: web.WebSocketResponse, entry: Entry, text: str) -> None:
     session = entry.session
     try:
-        msg = json.loads(text) if len(text) <= MAX_CONTROL_BYTES else None
-        kind = msg.get("type")
-    except (json.JSONDecodeError, AttributeError):
-        msg, kind = None, None
+        msg = parse_json(text.encode(), request.app[CONFIG].limits)
+    except InputError as e:
+        await ws.send_json({"type": "error", "error": str(e)})
+        return
+    kind = msg.get("type") if isinstance(msg, dict) else None
     if kind == "end_of_speech":
         session.end_of_speech()
     elif kind == "clear_buffer":
@@ -222,7 +232,7 @@ async def _control(request: web.Request, ws: web.WebSocketResponse, entry: Entry
     elif kind == "keep_alive":
         session.keep_alive()
     elif kind == "text":
-        assert msg is not None
+        assert isinstance(msg, dict)
         try:
             await ws.send_json(await _say(request, entry, msg.get("text"), msg.get("voice")))
         except AvatarStreamError as e:

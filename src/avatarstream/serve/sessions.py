@@ -4,6 +4,9 @@ A session entry holds the LiveSession, its owner (key fingerprint) and token, it
 HLS), its WebRTC viewer (one at a time: a new offer replaces the old viewer) and the WebSockets
 that receive its events. Events are produced on the scheduler thread and handed to the event
 loop (`call_soon_threadsafe`) before they reach a socket.
+
+Sessions do not outlive the server: a stopping server closes every session's sockets with 1001
+(going away) and a reason, and a starting one removes the session folders a killed one left.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from avatarstream.engine.config import ModelSet
 from avatarstream.serve.hls import FMP4HLSSink
@@ -70,6 +73,12 @@ class SessionManager:
     def __init__(self, models: ModelSet, config: ServerConfig, scheduler: ChunkScheduler) -> None:
         self.models, self.config, self.scheduler = models, config, scheduler
         self.dir = config.data_dir / "sessions"
+        if self.dir.is_dir():  # left by a server that was killed: those sessions are gone
+            for d in self.dir.iterdir():
+                if d.is_dir():
+                    shutil.rmtree(d, ignore_errors=True)
+                else:
+                    d.unlink(missing_ok=True)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.entries: dict[str, Entry] = {}
         self.playout_delay_s = config.playout_delay_s if config.playout_delay_s is not None else 0.5
@@ -139,14 +148,17 @@ class SessionManager:
         if peer is not None:
             await peer.close()
 
-    async def close(self, sid: str) -> None:
+    async def close(self, sid: str, code: int = WSCloseCode.OK, reason: str | None = None) -> None:
+        """End the session, close its sockets with `code` and `reason` (default: why it ended)
+        and remove its files."""
         entry = self.entries.pop(sid, None)
         if entry is None:
             return
         await self.detach_viewer(entry)
         await asyncio.to_thread(entry.session.stop, 10.0)
+        reason = reason or f"the session ended ({entry.session.end_reason or 'stopped'})"
         for ws in list(entry.sockets):
-            await ws.close()
+            await ws.close(code=code, message=reason.encode()[:123])
         shutil.rmtree(entry.dir, ignore_errors=True)
 
     async def reap(self) -> None:
@@ -159,8 +171,10 @@ class SessionManager:
                 await self.detach_viewer(e)
 
     async def close_all(self) -> None:
+        """The server is stopping: every session ends, its clients told so."""
         for sid in list(self.entries):
-            await self.close(sid)
+            await self.close(sid, WSCloseCode.GOING_AWAY, "the server is shutting down; open a "
+                             "new session when it is back")
 
     def live_count(self) -> int:
         return sum(1 for e in self.entries.values() if e.session.running)

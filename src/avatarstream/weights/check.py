@@ -312,6 +312,11 @@ def family_of(folder: Path) -> str | None:
 def find(folder: Path, prefix: str = "", depth: int = 1) -> tuple[list[Network], list[Path]]:
     """The networks under `folder` and the FlashHead roots among the folders searched: the folder
     itself as a root, one network, or (depth allowing) a folder of such folders."""
+    from avatarstream.weights import check_liveavatar  # a LiveAvatar download (its own module)
+
+    liveavatar = check_liveavatar.find(folder, prefix)
+    if liveavatar is not None:
+        return liveavatar, []
     if any((folder / p).is_dir() for p in PARTS):
         nets = [Network(f"{prefix}{p}", fam, folder / p) for p, fam in PARTS.items() if (folder / p).is_dir()]
         # its wav2vec2: inside, or beside it (a collection's scan finds that one by itself)
@@ -343,13 +348,16 @@ def check_folder(path: str | Path) -> dict[str, Any]:
         raise InputError(f"{root}: cannot be listed ({e})") from None
     if not nets:
         raise InputError(f"{root}: not a checkpoint folder this check knows: expected a SoulX-FlashHead-1_3B "
-                         "folder (Model_Pro/, Model_Lite/, VAE_Wan/, VAE_LTX/), one of those folders, a "
-                         "wav2vec2 folder (config.json with model_type wav2vec2), or a folder holding them")
+                         "folder (Model_Pro/, Model_Lite/, VAE_Wan/, VAE_LTX/), one of those folders, a LiveAvatar "
+                         "download (Wan2.2-S2V-14B/ and LiveAvatar/), a wav2vec2 folder (config.json with model_type wav2vec2), or a folder holding them")
     nets.sort(key=lambda n: n.family != "wav2vec2")  # first: the DiT's audio sizes follow it
+    from avatarstream.weights import check_liveavatar as la
+
     for net in nets:
-        audio = next((n.config for n in nets if n.family == "wav2vec2" and n.config is not None), None)
+        audio = next((n.config for n in nets if n.family == "wav2vec2" and n.config is not None
+                      and not getattr(n, "liveavatar", False)), None)  # FlashHead's: not LiveAvatar's
         try:
-            CHECKS[net.family](net, audio)
+            (CHECKS.get(net.family) or la.CHECKS[net.family])(net, audio)
         except Bad as e:
             net.problems.append(str(e))
         except (OSError, AvatarStreamError) as e:
@@ -366,8 +374,9 @@ def check_folder(path: str | Path) -> dict[str, Any]:
     for n in nets:
         if n.weight_bytes:
             n.alone = mem.budget([{"weight_bytes": n.weight_bytes, "activation_bytes": n.activation_bytes}], machine)
-    models, mismatched = mem.models(nets, VAE_OF, machine)
-    problems += mismatched
+    models, mismatched = mem.models([n for n in nets if not getattr(n, "liveavatar", False)], VAE_OF, machine)
+    la_models, la_mismatched = la.models(nets, machine)
+    models, problems = {**models, **la_models}, problems + mismatched + la_mismatched
     return {"folder": str(root), "networks": [n.to_json() for n in nets], "models": models,
             "machine": machine, "estimate": mem.HOW, "problems": problems, "ok": not problems}
 
@@ -378,6 +387,8 @@ def _count(n: int) -> str:
 
 def describe(report: Mapping[str, Any]) -> str:
     """The report as lines for a person (the CLI prints it before the JSON line)."""
+    from avatarstream.weights import check_liveavatar as la
+
     lines = [f"{report['folder']}:"]
     for n in report["networks"]:
         kind = n["family"] + (f" ({n['variant']})" if n["variant"] else "")
@@ -387,10 +398,14 @@ def describe(report: Mapping[str, Any]) -> str:
         if n["alone"] and not report["models"]:
             lines.append(f"    alone on a GPU: bf16 {mem.gb(n['alone']['gpu_bytes']['bf16'])}, fp8 "
                          f"{mem.gb(n['alone']['gpu_bytes']['fp8'])}; this machine: {n['alone']['verdict']}")
+        lines += la.describe_network(n)
         if n["unused_tensors"]:
             lines.append(f"    {n['unused_tensors']} tensors ({_count(n['unused_parameters'])}) unused by the "
                          f"forward, skipped when loading: {', '.join(n['unused'])}")
     for name, m in report["models"].items():
+        if "plans" in m:  # LiveAvatar's KV rings and plans
+            lines += la.describe_model(name, m)
+            continue
         lines.append(f"  {name}: GPU memory bf16 {mem.gb(m['gpu_bytes']['bf16'])}, fp8 "
                      f"{mem.gb(m['gpu_bytes']['fp8'])} (weights {mem.gb(m['weight_bytes']['bf16'])} + "
                      f"activations {mem.gb(m['activation_bytes'])} at {mem.RES}² + "
@@ -398,7 +413,8 @@ def describe(report: Mapping[str, Any]) -> str:
         if m["assumed"]:
             lines.append(f"    not in this folder, released size assumed: {', '.join(m['assumed'])}")
         lines.append(f"    this machine: {m['verdict']}")
-    lines.append(f"  estimates: {report['estimate']}")
+    if any("plans" not in m for m in report["models"].values()) or not report["models"]:  # FlashHead's
+        lines.append(f"  estimates: {report['estimate']}")
     if report["problems"]:
         lines.append(f"{len(report['problems'])} problem(s):")
         lines += [f"  - {p}" for p in report["problems"]]

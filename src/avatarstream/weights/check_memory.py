@@ -3,8 +3,7 @@
 
 - **Weights**: the tensors the networks use (not the file's dead ones), bf16 at 2 bytes each;
   fp8 puts the DiT blocks' matrices at 1 byte and keeps everything else bf16, which is what fp8
-  weight-only quantisation stores (avatarstream does not run fp8 yet: it is the budget it would
-  need). wav2vec2 stays fp32 in both, as the official pipeline runs it (flashhead.md §5).
+  weight-only quantisation stores (`flashhead-pro:DIR,fp8`: models/fp8.py). wav2vec2 stays fp32 in both, as the official pipeline runs it (flashhead.md §5).
 - **Activations** at 512² (the released models' size), per network, from the config: the
   networks of a chunk run one after another (audio, DiT, VAE), so a model's peak is its largest
   network's, not the sum. Each is a number of tensors of the network's widest size, that number
@@ -135,7 +134,7 @@ def verdict(gpu: dict[str, int], cpu: int, m: dict[str, Any]) -> tuple[bool, str
             return True, f"yes: {m['gpu']}, bf16 needs {gb(gpu['bf16'])} of {gb(free)} free"
         if gpu["fp8"] <= free:
             return False, (f"not in bf16 ({gb(gpu['bf16'])} needed, {gb(free)} free on {m['gpu']}); "
-                           "fp8 weights would fit, which avatarstream does not run yet")
+                           "fp8 weights would fit: add ,fp8 to the model name")
         return False, f"no: bf16 needs {gb(gpu['bf16'])}, {m['gpu']} has {gb(free)} free"
     ram = m["ram_available_bytes"]
     if ram is None or cpu <= ram:

@@ -13,8 +13,9 @@ Every file goes through the same loader the parity fixtures check (`load_flashhe
 `load_wan_vae`, `load_wav2vec2_folder`). Sizes come from the files: the DiT's config.json, the
 audio projection's widths from its tensors and the paired wav2vec2 (the official module hard-codes
 them for wav2vec2-base). What the official release does not write is an optional
-`DIR/avatarstream.json`: `{"size": pixels, "wan_vae": Wan VAE constructor kwargs}`; without it, 512 px
-and the real Wan2.1 VAE. `write_official_folder` writes a tiny random folder in this layout (with
+`DIR/avatarstream.json`: `{"size": pixels, "height": pixels, "width": pixels, "wan_vae": Wan VAE
+constructor kwargs}` (height and width together: a non-square video); without it, 512² and the real
+Wan2.1 VAE. `generate --size WxH` renders another size without touching the folder. `write_official_folder` writes a tiny random folder in this layout (with
 that file: 64 px, a narrow Wan VAE) for tests and demos.
 
 Lite (LTX VAE, 8 frames a latent) needs the chunk loop to plan with the model's stride
@@ -54,6 +55,7 @@ class FlashHeadFolder:
     root: Path
     variant: str
     wav2vec: Path
+    fp8: bool = False  # `,fp8`: the DiT blocks' linears stored in fp8 (models/fp8.py)
 
     @property
     def model_dir(self) -> Path:
@@ -69,10 +71,12 @@ class FlashHeadFolder:
 
 
 def parse_name(name: str) -> FlashHeadFolder | None:
-    """`flashhead-pro:DIR[,wav2vec=PATH]` -> the folder (files checked); None: not such a name."""
+    """`flashhead-pro:DIR[,wav2vec=PATH][,fp8]` -> the folder (files checked); None: not such a name."""
     head, sep, rest = name.partition(":")
     if not (sep and head.startswith(PREFIX)):
         return None
+    fp8 = rest.endswith(",fp8") or ",fp8," in rest
+    rest = rest.replace(",fp8,", ",").removesuffix(",fp8")
     variant = head[len(PREFIX):]
     if variant not in VARIANTS:
         raise ConfigError(f"{name!r}: unknown FlashHead variant {variant!r}; use flashhead-pro or flashhead-lite")
@@ -80,7 +84,7 @@ def parse_name(name: str) -> FlashHeadFolder | None:
     root_p = Path(root)
     cands = [Path(opt)] if opt else [root_p / W2V_DIR, root_p.parent / W2V_DIR]
     w2v = next((c for c in cands if (c / "config.json").is_file()), cands[0])
-    folder = FlashHeadFolder(root_p, variant, w2v)
+    folder = FlashHeadFolder(root_p, variant, w2v, fp8)
     vae = [WAN_FILE] if variant == "pro" else ["config.json", DIT_FILE]
     need = [folder.model_dir / "config.json", folder.model_dir / DIT_FILE,
             *(folder.vae_dir / f for f in vae), w2v / "config.json"]
@@ -94,17 +98,31 @@ def parse_name(name: str) -> FlashHeadFolder | None:
 def flashhead_pipeline(folder: FlashHeadFolder) -> PipelineConfig:
     """The official inference settings (configs/infer_params.yaml): 33-frame chunks (Pro 9
     latents of 4 frames, Lite 5 of 8), 2 motion latents, 4 re-noising steps at shift 5, colour
-    correction 1.0; the latent width from the DiT's config.json."""
-    size = int(folder.extra().get("size", 512))
-    stride = 4 if folder.variant == "pro" else 8
+    correction 1.0; the latent width and patch from the DiT's config.json; the video size from
+    `avatarstream.json` (512² without one). Geometry: Pro's Wan latents are 8x smaller and
+    patched 2x2 (sides multiples of 16 pixels), Lite's LTX latents 32x smaller, patch 1 (32)."""
+    extra = folder.extra()
+    size = int(extra.get("size", 512))
+    stride, spatial = (4, 8) if folder.variant == "pro" else (8, 32)
+    cfg_path = folder.model_dir / "config.json"
     try:
-        channels = int(json.loads((folder.model_dir / "config.json").read_text())["out_dim"])
-    except (KeyError, ValueError, TypeError) as e:
-        raise InputError(f"{folder.model_dir / 'config.json'}: not a FlashHead DiT config ({e})") from None
-    return PipelineConfig(lr_size=size, hr_size=size, latent_channels=channels, motion_dim=1,
-                          chunk=1 + 32 // stride, ref_frames=1, steps=4, sampler="renoise", shift=5.0,
-                          strategy="handoff", overlap=2, audio_window=stride - 4, latent_stride=stride,
-                          decode_overlap=False, scene_frame=False)
+        raw = json.loads(cfg_path.read_text())
+        channels = int(raw["out_dim"])
+        patch = int(raw.get("patch_size", (1, 2, 2) if folder.variant == "pro" else (1, 1, 1))[-1])
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        raise InputError(f"{cfg_path}: not a FlashHead DiT config ({e})") from None
+    try:
+        hw = {k: int(extra[k]) for k in ("height", "width") if k in extra}
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{folder.root / SIDECAR}: height and width must be pixel counts ({e})") from None
+    try:
+        return PipelineConfig(lr_size=size, hr_size=size, latent_channels=channels, motion_dim=1,
+                              chunk=1 + 32 // stride, ref_frames=1, steps=4, sampler="renoise", shift=5.0,
+                              strategy="handoff", overlap=2, audio_window=stride - 4, latent_stride=stride,
+                              decode_overlap=False, scene_frame=False, spatial_stride=spatial, patch_size=patch,
+                              **hw)
+    except ConfigError as e:
+        raise ConfigError(f"{folder.root / SIDECAR}: {e}") from None
 
 
 class WholeChunkLTX(nn.Module):
@@ -171,11 +189,12 @@ def check_gpu_memory(folder: FlashHeadFolder, device: str, bf16: bool) -> None:
     model = check_folder(folder.root)["models"].get(f"{PREFIX}{folder.variant}")
     if model is None:
         return
-    need = model["gpu_bytes"]["bf16"] if bf16 else model["cpu_bytes"] + mem.RESERVE
+    kind = "fp8" if folder.fp8 else ("bf16" if bf16 else "fp32")
+    need = model["gpu_bytes"][kind] if kind != "fp32" else model["cpu_bytes"] + mem.RESERVE
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     if need > free:
         raise ConfigError(f"{folder.root}: {PREFIX}{folder.variant} needs about {mem.gb(need)} of GPU memory "
-                          f"({'bf16' if bf16 else 'fp32'}), {device} has {mem.gb(free)} free; free the GPU "
+                          f"({kind}), {device} has {mem.gb(free)} free; free the GPU "
                           "or use --device cpu (`avatarstream models check` shows the estimate)")
 
 
@@ -194,6 +213,10 @@ def load_flashhead(folder: FlashHeadFolder, name: str, *, device: str = "cpu",
     state = read_state(folder.model_dir / DIT_FILE)
     dit = load_flashhead_dit(state, _dit_config(folder, state, w2v), dtype=dt, what=str(folder.model_dir / DIT_FILE))
     del state
+    if folder.fp8:  # the blocks' linears in fp8, a scale per row (no official fp8: our choice)
+        from avatarstream.models.fp8 import FLASHHEAD_FP8, quantize_linears_
+
+        quantize_linears_(dit, names=FLASHHEAD_FP8, device=device if torch.device(device).type == "cuda" else None)
     vae = _load_vae(folder)
     spf = config.sample_rate // config.fps
     return ModelSet(name=name, dit=Module("dit", dit, device=device, dtype=dt,

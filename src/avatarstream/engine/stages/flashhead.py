@@ -33,7 +33,7 @@ from avatarstream.engine.pcm_stream import frames_from_tokens
 from avatarstream.engine.schedule import ChunkPlan
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
-from avatarstream.engine.stages.reference import frame_validity
+from avatarstream.engine.stages.reference import check_reference_size, frame_validity
 from avatarstream.engine.stages.whole_decode import WholeChunkDecodeStage, encode_latents
 from avatarstream.errors import ConfigError, InputError
 from avatarstream.models.wav2vec2.flashhead import FlashHeadAudioConfig, FlashHeadAudioStream
@@ -63,8 +63,9 @@ class FlashHeadReference:
 class FlashHeadReferenceStage:
     name = "reference"
 
-    def __init__(self, vae: Module, *, frames: int) -> None:
-        self.vae, self.frames = vae, frames
+    def __init__(self, vae: Module, *, frames: int, out_hw: tuple[int, int] | None = None) -> None:
+        """out_hw: (H, W) the reference must have, the video's (None: not checked)."""
+        self.vae, self.frames, self.out_hw = vae, frames, out_hw
 
     def run(self, state: SessionState, frames: torch.Tensor, prompt: str = "",
             scene: torch.Tensor | None = None) -> None:
@@ -72,6 +73,7 @@ class FlashHeadReferenceStage:
         FlashHead has no text encoder and starts from its reference."""
         if scene is not None:
             raise ConfigError("FlashHead starts from its reference picture; --scene is not supported")
+        check_reference_size(frames, self.out_hw)
         image = frames[:1].permute(1, 0, 2, 3).float() / 127.5 - 1.0  # [3, 1, H, W]
         if not bool(frame_validity(image).all()):
             raise InputError("the reference picture is blank; give one that shows the person's face")
@@ -181,4 +183,4 @@ def flashhead_stages(m: ModelSet, c: PipelineConfig) -> list[Stage]:
 
 def flashhead_reference(m: ModelSet, c: PipelineConfig) -> FlashHeadReferenceStage:
     """The reference stage of a FlashHead model (`ModelSet.reference`)."""
-    return FlashHeadReferenceStage(m.vae, frames=frames_per_chunk(c))
+    return FlashHeadReferenceStage(m.vae, frames=frames_per_chunk(c), out_hw=c.out_hw)
