@@ -80,7 +80,10 @@ def test_frame_validity_takes_the_spread_per_channel():
 def interrupt_when(cmd: list[str], ready, timeout: float = 240) -> tuple[int, str, dict]:  # noqa: ANN001
     """Run `cmd`, send SIGINT once `ready(event)` holds for a --events line (or, for ready taking
     None, as soon as it holds while polling); return (exit code, stderr, the last event)."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    # a shell's background job starts with SIGINT ignored, and Python then never turns it into
+    # KeyboardInterrupt: give the run the default disposition, as a terminal's Ctrl-C finds it
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     event: dict = {}
     deadline = time.time() + timeout
     try:
