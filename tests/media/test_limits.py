@@ -18,7 +18,7 @@ from avatarstream.errors import InputError
 from avatarstream.media.audio import MAX_DAMAGED_FRACTION, AudioReader, read_all
 from avatarstream.media.image import MAX_PIXELS, check_pixels, picture_size
 from avatarstream.media.reference import load_reference
-from media.test_reference_audio import stripes, write_image, write_ramp_video
+from media.test_reference_audio import encode_picture, stripes, write_image, write_ramp_video
 
 SR = 16000
 
@@ -34,18 +34,6 @@ def write_big_png(path: Path, width: int, height: int) -> Path:
     idat = b"".join(z.compress(row) for row in rows) + z.flush()
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
                      + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
-    return path
-
-
-def encode_picture(path: Path, img: np.ndarray, codec: str, pix: str, fmt: str = "image2",
-                   **options: str) -> Path:
-    with av.open(str(path), "w", format=fmt) as c:
-        s = c.add_stream(codec, rate=1, options=options)
-        s.width, s.height, s.pix_fmt = img.shape[1], img.shape[0], pix
-        for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-            c.mux(p)
-        for p in s.encode():
-            c.mux(p)
     return path
 
 

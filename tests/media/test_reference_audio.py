@@ -28,17 +28,23 @@ def stripes(width: int, height: int) -> np.ndarray:
     return img
 
 
-def write_image(path: Path, img: np.ndarray) -> Path:
-    codec, pix = {".png": ("png", "rgb24"), ".jpg": ("mjpeg", "yuvj444p"),
-                  ".webp": ("libwebp", "yuv420p")}[path.suffix]
-    with av.open(str(path), "w") as c:
-        s = c.add_stream(codec, rate=1)
+def encode_picture(path: Path, img: np.ndarray, codec: str, pix: str, fmt: str | None = None,
+                   **options: str) -> Path:
+    """img `[H, W, 3]` uint8 written as one picture by `codec` (container from the suffix, or `fmt`)."""
+    with av.open(str(path), "w", format=fmt) as c:
+        s = c.add_stream(codec, rate=1, options=options)
         s.width, s.height, s.pix_fmt = img.shape[1], img.shape[0], pix
         for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
             c.mux(p)
         for p in s.encode():
             c.mux(p)
     return path
+
+
+def write_image(path: Path, img: np.ndarray) -> Path:
+    codec, pix = {".png": ("png", "rgb24"), ".jpg": ("mjpeg", "yuvj444p"),
+                  ".webp": ("libwebp", "yuv420p")}[path.suffix]
+    return encode_picture(path, img, codec, pix)
 
 
 def write_ramp_video(path: Path, frames: int, width: int = 96, height: int = 64) -> Path:
