@@ -12,6 +12,7 @@ from pathlib import Path
 
 from avatarstream.engine.config import SIZE_HELP, parse_size
 from avatarstream.errors import AvatarStreamError, ConfigError
+from avatarstream.publish import interrupt
 
 log = logging.getLogger("avatarstream")
 
@@ -421,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
+    interrupt.install()  # Ctrl-C inside the muxer is raised after it, never lost
     try:
         return int(args.func(args) or 0)
     except AvatarStreamError as e:

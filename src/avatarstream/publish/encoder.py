@@ -19,6 +19,7 @@ import numpy as np
 
 from avatarstream.errors import OutputError
 from avatarstream.media.frames import AudioChunk, VideoChunk
+from avatarstream.publish.interrupt import muxing
 from avatarstream.publish.output import os_reason
 
 _AAC_FRAME = 1024  # samples per AAC frame (the encoder's frame_size)
@@ -153,7 +154,8 @@ class EncodingSink:
         """Encode a chunk. Its first frame is an IDR keyframe: the file sink's previous fragment
         goes to disk there, the HLS sink cuts a segment there once `segment_seconds` passed."""
         try:
-            self._encoder().add_video(chunk)
+            with muxing():
+                self._encoder().add_video(chunk)
         except (OSError, av.FFmpegError) as e:
             raise self._failed("write", e) from e
         self._update_durable()
@@ -161,7 +163,8 @@ class EncodingSink:
     def write_audio(self, chunk: AudioChunk) -> None:
         """Encode the session's input audio at its timeline position."""
         try:
-            self._encoder().add_audio(chunk)
+            with muxing():
+                self._encoder().add_audio(chunk)
         except (OSError, av.FFmpegError) as e:
             raise self._failed("write", e) from e
         self._update_durable()
@@ -172,11 +175,12 @@ class EncodingSink:
         if self._container is None:
             return
         try:
-            try:
-                if self._enc is not None:
-                    self._enc.finish()
-            finally:
-                self._close_output()
+            with muxing():
+                try:
+                    if self._enc is not None:
+                        self._enc.finish()
+                finally:
+                    self._close_output()
             failed = self._write_error()
             if failed is not None:  # the muxer's later writes were dropped: the output is cut
                 raise OutputError(f"cannot write {self._output}: {os_reason(failed) or 'interrupted'}")
