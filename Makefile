@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REAL := $(VENV)/.installed-real
 SERVE := $(VENV)/.installed-serve
+EXTRA := $(VENV)/.installed-extra
 
 .PHONY: demo test venv sysdeps clean
 
@@ -25,13 +26,15 @@ demo: $(STAMP)
 	@echo "wrote out/demo.mp4"
 
 # System packages the tests need: speech synthesis (the synthetic data domain and the live
-# sessions' TTS) and Debian's chromium for the browser test (Playwright drives it; its own
-# browser download is never used).
+# sessions' TTS), Debian's chromium for the browser test (Playwright drives it; its own
+# browser download is never used) and nginx with its RTMP module (the RTMP publishing test starts
+# its own server on a loopback port; Debian's default site is not used).
 sysdeps:
 	@command -v espeak-ng >/dev/null 2>&1 && command -v flite >/dev/null 2>&1 \
-	  && command -v chromium >/dev/null 2>&1 || { \
+	  && command -v chromium >/dev/null 2>&1 \
+	  && test -f /usr/lib/nginx/modules/ngx_rtmp_module.so || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q espeak-ng flite chromium; }
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q espeak-ng flite chromium nginx-light libnginx-mod-rtmp; }
 
 # The tests also cover the optional real-face metrics (dlib; ~120 MB with its models): installed
 # for `make test` only, so `make demo` stays a small install.
@@ -44,8 +47,13 @@ $(SERVE): $(REAL)
 	$(PY) -m pip install -q -e '.[dev,real,serve,browser]'
 	touch $(SERVE)
 
+# LiveKit rooms and real-footage curation (Ray Data): optional extras the tests cover.
+$(EXTRA): $(SERVE)
+	$(PY) -m pip install -q -e '.[dev,real,serve,browser,livekit,curate]'
+	touch $(EXTRA)
+
 # The layer contracts first (import-linter, pyproject.toml): a forbidden arrow fails in seconds.
-test: $(STAMP) $(REAL) $(SERVE) sysdeps
+test: $(STAMP) $(REAL) $(SERVE) $(EXTRA) sysdeps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -q
 

@@ -7,6 +7,7 @@
 #   DEVICE=cuda recipes/train.sh             # the same recipes on a GPU
 #   SIZE=tiny recipes/train.sh               # test size: the whole chain in minutes on a CPU
 #   SET="--set train.steps=1400" recipes/train.sh   # extra overrides for every stage
+#   NPROC=2 recipes/train.sh                 # each stage under torchrun on 2 processes (recipes/README.md)
 #
 # Stages: VAE -> prepare (VAE latents of the DiT's clips) -> A2V pre-training -> personality SFT
 # (cross-scene references) -> CFG distillation (scales as inputs) -> SR refiner -> export to
@@ -18,6 +19,7 @@ AV=${AV:-.venv/bin/avatarstream}
 SIZE=${SIZE:-small}
 DEVICE=${DEVICE:-cpu}
 SET=${SET:-}
+NPROC=${NPROC:-}
 OUT=${OUT:-src/avatarstream/weights/avatarstream-$SIZE}
 if [ "$SIZE" = tiny ]; then
   VAE_DATA="--identities 4 --clips-per-identity 2 --seconds 2 --size 64"
@@ -27,7 +29,7 @@ else
   DIT_DATA="--identities 160 --clips-per-identity 3 --seconds 4"
 fi
 D=data/$SIZE
-run() { $AV train "$1-$SIZE" --resume --device "$DEVICE" --no-progress $SET "${@:2}"; }
+run() { $AV train "$1-$SIZE" --resume --device "$DEVICE" --no-progress ${NPROC:+--nproc $NPROC} $SET "${@:2}"; }
 
 [ -f "$D/synth-vae/.done" ] || { $AV synth --out "$D/synth-vae" $VAE_DATA && touch "$D/synth-vae/.done"; }
 [ -f "$D/synth-dit/.done" ] || { $AV synth --out "$D/synth-dit" $DIT_DATA --seed 1 && touch "$D/synth-dit/.done"; }

@@ -47,6 +47,19 @@ def write_video(path: Path, frames: int = 30, size: int = 96, fps: int = 25) -> 
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def config_dir(tmp_path_factory) -> Path:
+    """avatarstream's config folder for the whole run (the local signing certificate every
+    output is signed with goes there, not into the user's ~/.config); subprocesses inherit it."""
+    import os
+
+    d = tmp_path_factory.mktemp("config")
+    os.environ["AVATARSTREAM_CONFIG_DIR"] = str(d)
+    for key in ("AVATARSTREAM_SIGN_CERT", "AVATARSTREAM_SIGN_KEY"):
+        os.environ.pop(key, None)
+    return d
+
+
 @pytest.fixture(scope="session")
 def media(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("media")

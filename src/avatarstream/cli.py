@@ -9,10 +9,15 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from avatarstream.engine.config import SIZE_HELP, parse_size
 from avatarstream.errors import AvatarStreamError, ConfigError
+from avatarstream.provenance import NO_WATERMARK_HELP
 from avatarstream.publish import interrupt
+
+if TYPE_CHECKING:
+    from avatarstream.provenance.credentials import ContentCredentials
 
 log = logging.getLogger("avatarstream")
 
@@ -34,6 +39,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="model name (see `avatarstream models`; default: the bundled model, else tiny-random)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the models run (cuda: the first GPU; an error when there is none)")
+    p.add_argument("--lora", default=None, metavar="FILE",
+                   help="a personality adapter (`avatarstream train personality`) merged into the DiT")
     p.add_argument("--strategy", choices=["prefix", "interp", "causal"], default=None,
                    help="chunk continuity strategy (default: the model's); causal: blocks of 3 latent "
                         "frames with rolling KV caches (Live Avatar)")
@@ -72,13 +79,24 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", default="", help="optional text/scene description")
     p.add_argument("--hls", default=None, metavar="DIR", help="also publish a live HLS stream into DIR "
                    "(index.partial-PID.m3u8 while written, index.m3u8 when complete)")
+    p.add_argument("--rtmp", default=None, metavar="URL", help="also publish live to an RTMP server "
+                   "(rtmp://host/app/KEY or rtmps://...) at real-time pace; reconnects when the "
+                   "server drops, drops frames (counted) when the network falls behind")
     p.add_argument("--max-audio-seconds", type=float, default=3600.0,
                    help="refuse audio longer than this (default 3600)")
+    p.add_argument("--sign-cert", metavar="PEM", default=None,
+                   help="sign the content credentials (C2PA) with this certificate chain, signer "
+                        "first (default: $AVATARSTREAM_SIGN_CERT, else a local self-signed one made "
+                        "on first use, reported as untrusted)")
+    p.add_argument("--sign-key", metavar="PEM", default=None,
+                   help="the unencrypted private key of --sign-cert (default: $AVATARSTREAM_SIGN_KEY)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: all cores; causal with the decode on its own "
                         "thread: all but one, see hardware.generation_threads)")
     p.add_argument("--events", action="store_true",
                    help="print one JSON line per chunk on stderr (frames published and durable)")
+    p.add_argument("--no-watermark", action="store_true",
+                   help=NO_WATERMARK_HELP)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object last")
     p.set_defaults(func=cmd_generate)
@@ -111,6 +129,8 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
             o[key] = val
     if getattr(args, "decode_inline", False):
         o["decode_overlap"] = False
+    if getattr(args, "no_watermark", False):
+        o["watermark"] = False
     for key in ("adaptive_sink", "rolling_rope", "history_level"):
         if getattr(args, key, None) is not None:
             o[key] = getattr(args, key)
@@ -137,6 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from avatarstream.hardware import check_device
     from avatarstream.media.audio import AudioReader
     from avatarstream.media.reference import load_reference
+    from avatarstream.provenance.credentials import credentials_for
     from avatarstream.publish.base import ending, generate_outputs
     from avatarstream.publish.file import check_writable
     from avatarstream.registry import model_spec_for, resolve_model
@@ -148,6 +169,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.model = resolve_model(args.model, causal=args.strategy == "causal" or args.workers is not None)
     out = Path(args.out)
     check_writable(out)
+    credentials = credentials_for(args.model, args.sign_cert, args.sign_key)  # a bad certificate: now
     spec_cfg = model_spec_for(args.model).pipeline()
     overrides = _overrides(spec_cfg, args)
     out_hw = (overrides["height"], overrides["width"]) if "height" in overrides else spec_cfg.out_hw
@@ -163,11 +185,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                max_pixels=max_pixels).frames[:1]
     reader = AudioReader(args.audio, sample_rate=spec_cfg.sample_rate, max_seconds=args.max_audio_seconds)
     if args.workers is not None or args.sequence_parallel:  # every rank loads the reference at --size
-        return _generate_tpp(args, overrides, out)
-    with ending(sinks := generate_outputs(out, args.hls)):  # locked now: a second writer is refused
+        if args.lora:
+            raise ConfigError("--lora runs in one process for now (not with --workers or --sequence-parallel)")
+        if args.rtmp:
+            raise ConfigError("--rtmp publishes from this process: not with --workers or "
+                              "--sequence-parallel")
+        return _generate_tpp(args, overrides, out, credentials)
+    # locked now: a second writer is refused
+    with ending(sinks := generate_outputs(out, args.hls, credentials=credentials, rtmp=args.rtmp)):
         result = _generate_here(args, reference, scene, reader, sinks)
     result["out"] = str(out)  # replaced only now, complete (publish/output.py)
+    if args.rtmp:  # the stream's counters, final once its sink closed
+        result["rtmp"] = sinks[-1].stats()
+    result["content_credentials"] = sinks[0].signed.as_dict()
     _print_summary(result)
+    print(f"  {sinks[0].signed.note()}")
     if args.json:
         print(json.dumps(result))
     return 0
@@ -180,7 +212,7 @@ def _generate_here(args: argparse.Namespace, reference, scene, reader, sinks) ->
     from avatarstream.engine.pipeline import Pipeline
     from avatarstream.registry import load_model
 
-    models = load_model(args.model, device=args.device)
+    models = load_model(args.model, device=args.device, lora=args.lora)
     _configure(models, args)
     cfg = models.config
     if not args.threads:
@@ -223,7 +255,8 @@ def _generate_here(args: argparse.Namespace, reference, scene, reader, sinks) ->
     return result
 
 
-def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path) -> int:
+def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path,
+                  credentials: ContentCredentials) -> int:
     """`generate --strategy causal --workers N`: timestep-forcing pipeline parallelism over
     N + 1 processes started here (parallel/tpp.py); the decode process writes the file."""
     from avatarstream.parallel.run import launched_by_torchrun
@@ -232,7 +265,7 @@ def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path) -> int:
     from avatarstream.publish.file import ReservedOutput
 
     # the publishing process writes the partial file; this one locks --out and renames it (torchrun: in place)
-    outs = [] if launched_by_torchrun() else [ReservedOutput(out)]
+    outs = [] if launched_by_torchrun() else [ReservedOutput(out, credentials)]
     job = TPPJob(model=args.model, reference=str(args.reference), audio=str(args.audio),
                  workers=args.workers or 1, split_decode=args.split_decode,
                  out=str(outs[0].writing if outs else out), hls=args.hls, overrides=overrides,
@@ -245,7 +278,10 @@ def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path) -> int:
     if result is None:  # a rank of a torchrun job that does not publish: it prints nothing
         return 0
     result.update(model=args.model, strategy="causal", out=str(out))
+    signed = outs[0].signed if outs else credentials.sign_in_place(out)  # torchrun: written in place
+    result["content_credentials"] = signed.as_dict()
     _print_summary(result)
+    print(f"  {signed.note()}")
     decode = "1 refine + 1 decode worker" if args.split_decode else "1 decode worker"
     print(f"  sequence parallel over {result['processes']} processes" if args.sequence_parallel else
           f"  pipeline: {args.workers} denoise workers (steps {result['step_shares']}) + {decode}")
@@ -264,6 +300,29 @@ def _print_summary(r: dict) -> None:
           f"| peak memory {r['peak_rss_mb']:.0f} MB")
     stages = " | ".join(f"{k} {v:.0f} ms" for k, v in r["stage_ms"].items())
     print(f"  per chunk: {stages} | reference {r['reference_ms']:.0f} ms once")
+
+
+# -- verify --------------------------------------------------------------------------------------
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    what = ("is a video marked as AI-generated? reads its content credentials (C2PA) and its "
+            "invisible watermark; exit 0 marked by either, 1 by neither, 2 unreadable input")
+    p = sub.add_parser("verify", help=what, description=what)
+    p.add_argument("target", metavar="FILE|URL", help="a video file, an http(s) URL of one, or an "
+                   "HLS playlist URL (.m3u8: the watermark only, HLS carries no manifest)")
+    p.add_argument("--max-download-mb", type=float, default=2048.0,
+                   help="refuse a URL's file larger than this (default 2048)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object last")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from avatarstream.provenance.verify import describe, exit_code, verify
+
+    report = verify(args.target, max_download_bytes=round(args.max_download_mb * 2**20))
+    print("\n".join(describe(report)))
+    if args.json:
+        print(json.dumps(report))
+    return exit_code(report)
 
 
 # -- bench ---------------------------------------------------------------------------------------
@@ -379,6 +438,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 # subcommands whose module exposes add_arguments(parser) and run(args) -> summary dict
 SUBCOMMANDS = {
     "synth": ("avatarstream.data.cli", "render synthetic talking-head clips with exact ground truth", None),
+    "curate": ("avatarstream.data.curate.cli", "real footage -> training shards on Ray Data: shots, face "
+               "tracks, head crops, filters, identities, cross-scene pairs (needs avatarstream[real,curate])", None),
     "train": ("avatarstream.train.cli", "train a recipe, pre-encode training data, export weights", "USAGE"),
     "eval": ("avatarstream.eval.cli", "score a video (Sync-C/D, FaceSim, style, silence, seams, PSNR) "
              "or benchmark a model on held-out synthetic cases", None),
@@ -386,6 +447,8 @@ SUBCOMMANDS = {
               "TTS, HLS, renders, web page", None),
     "client": ("avatarstream.serve.client", "open a live session as the web page does (WebRTC), "
                "record it, report ttff/fps/av offset", None),
+    "livekit": ("avatarstream.serve.livekit.cli", "avatar worker for LiveKit rooms: joins rooms on "
+                "dispatch, speaks an agent's audio (needs avatarstream[livekit])", None),
 }
 
 
@@ -412,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_models(sub)
+    _add_verify(sub)
     _add_module_commands(sub)
     return parser
 

@@ -11,6 +11,9 @@
 - `liveavatar:DIR[,context=FILE][,lora=PATH][,wav2vec=PATH]`: a Wan2.2-S2V-14B + LiveAvatar LoRA
   download (weights/liveavatar_model.py), the same way.
 
+Any of them with `load_model(name, lora=FILE)` (`generate`/`serve --lora`): a personality adapter
+(`train personality`, weights/lora_file.py) merged into the DiT, under the name `NAME+lora-<hash>`.
+
 Importing this module reads nothing: the bundled folders are found the first time a name is
 asked for or the models are listed (`MODELS` scans on first use), and weights are read only by
 `load_model`. The folders are read by `avatarstream.weights`, never by the trainer.
@@ -19,6 +22,7 @@ asked for or the models are listed (`MODELS` scans on first use), and weights ar
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 
@@ -138,13 +142,14 @@ def resolve_model(name: str | None, *, causal: bool = False) -> str:
     return name
 
 
-def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> ModelSet:
+def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None, lora: str | None = None) -> ModelSet:
     """Build (and load the weights of) a named model. bf16: autocast the transformers in bf16
     (default: on for the small sizes where bf16 is fast on `device`: 2-3x fp32 on CPUs with
-    AVX512-bf16, far slower without; `hardware.bf16_is_fast`)."""
+    AVX512-bf16, far slower without; `hardware.bf16_is_fast`). lora: an adapter file
+    `train personality` wrote (weights/lora_file.py), merged into the DiT (`merge_lora`)."""
     spec = model_spec_for(name)
     if spec.load is not None:  # a family that builds its own modules (an official folder)
-        return spec.load(device, bf16)
+        return _with_lora(spec.load(device, bf16), lora)
     torch.manual_seed(spec.seed)
     nets = spec.networks()
     if spec.weights is None:
@@ -160,8 +165,33 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None) -> M
             Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner", "vae") else None)
             for k, v in nets.items()}
     audio_model = mods["audio"].model
-    return ModelSet(name=name, config=spec.pipeline(),
-                    make_audio_stream=lambda: StreamingAudioFeatures(audio_model), **mods)
+    return _with_lora(ModelSet(name=name, config=spec.pipeline(),
+                               make_audio_stream=lambda: StreamingAudioFeatures(audio_model), **mods), lora)
+
+
+def _with_lora(models: ModelSet, lora: str | None) -> ModelSet:
+    """`models` with the adapter file `lora` merged into its DiT (None: as it is). An adapter that
+    replaces LiveAvatar's own is refused here: it is loaded as `liveavatar:DIR,lora=FILE`."""
+    if lora is None:
+        return models
+    from avatarstream.weights.lora import merge_lora
+    from avatarstream.weights.lora_file import read_lora_file
+
+    tensors, settings, meta = read_lora_file(lora)
+    if meta.get("replaces"):
+        raise ConfigError(f"--lora {lora}: it replaces the base's own adapter ({meta['replaces']}); load it "
+                          f"as {meta.get('load', 'the model name with ,lora=FILE')}")
+    if any(p.dtype == torch.float8_e4m3fn for p in models.dit.model.parameters()):
+        raise ConfigError(f"--lora {lora}: the DiT is stored in fp8 (,fp8); an adapter merges into its full "
+                          "weights only (drop ,fp8)")
+    merge_lora(models.dit.model, tensors, settings, what=f"--lora {lora}")
+    # another name: what is stored per model (a server's prepared references) is not shared
+    # between the base and an adapted model, nor between two adapters
+    h = hashlib.blake2b(digest_size=6)
+    with open(lora, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return dataclasses.replace(models, name=f"{models.name}+lora-{h.hexdigest()}")
 
 
 def _randomize(net: torch.nn.Module, seed: int) -> None:

@@ -213,3 +213,9 @@ def test_generate_with_workers_is_the_same_dataset(tmp_path):
     for ra, rb in zip(a, b):
         assert np.array_equal(ra.frames, rb.frames) and np.array_equal(ra.audio, rb.audio)
         assert ra.annotations == rb.annotations
+
+
+def test_reference_clips_shorter_than_the_sway_smoothing_window_render():
+    """The listening gain is smoothed over 0.4 s (10 frames): a shorter clip must keep its length."""
+    for n in (2, 8, 9):
+        assert render_reference(1, 5, 64, frames=n).shape == (n, 64, 64, 3)

@@ -139,8 +139,11 @@ def mock_models(strategy: str = "prefix", latency: float = 0.0, chunk: int = 5,
                 scene: bool = False) -> ModelSet:
     """scene False: every frame follows the audio (the mock DiT's x0), the frame-0 scene frame
     of ref2v / N chunks is tested on its own."""
+    # watermark off: these tests check the engine's pixel arithmetic exactly (the mark has its own
+    # tests, tests/provenance/test_watermark.py)
     cfg = PipelineConfig(lr_size=32, hr_size=64, latent_channels=1, motion_dim=2, chunk=chunk,
-                         ref_frames=2, steps=3, strategy=strategy, audio_window=W, scene_frame=scene)
+                         ref_frames=2, steps=3, strategy=strategy, audio_window=W, scene_frame=scene,
+                         watermark=False)
     return ModelSet(
         name="mock", dit=Module("dit", MockDiT(latency)), refiner=Module("refiner", MockRefiner()),
         vae=Module("vae", MockVAE()), audio=Module("audio", nn.Identity()),

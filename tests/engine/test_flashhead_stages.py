@@ -218,7 +218,7 @@ def test_engine_chunk_loop_equals_the_official_loop_of_the_fixture(path: Path) -
     config = PipelineConfig(lr_size=8 * h, hr_size=8 * h, latent_channels=y.shape[1], motion_dim=1,
                             chunk=chunk, ref_frames=1, steps=4, sampler="renoise", shift=5.0,
                             strategy="handoff", overlap=int(fx.settings["motion_latents"]),
-                            audio_window=0, decode_overlap=False)
+                            audio_window=0, decode_overlap=False, watermark=False)  # latents, not RGB
     models = ModelSet(name="fixture", dit=dit, refiner=None, vae=vae, audio=Module("audio", nn.Identity()),
                       text=Module("text", NoText()), config=config, make_audio_stream=lambda: PCMFrames(640),
                       stages=stages, reference=lambda m, c: FixtureReference(y))

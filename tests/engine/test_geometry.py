@@ -18,6 +18,7 @@ import torch
 
 from conftest import run_cli
 from live_helpers import speak_once
+from serve.helpers import _finished_render
 
 from avatarstream.engine.config import PipelineConfig, parse_size
 from avatarstream.errors import ConfigError, InputError
@@ -210,12 +211,7 @@ def test_server_stores_avatars_and_renders_at_its_size(tmp_path: Path) -> None:
         r = await client.post("/v1/avatars", data=png, headers={**auth, "Content-Type": "image/png"})
         avatar = await r.json()
         assert r.status == 201 and avatar["size"] == "96x64", avatar
-        r = await client.post(f"/v1/renders?avatar_id={avatar['id']}", data=wav,
-                              headers={**auth, "Content-Type": "audio/wav"})
-        job = await r.json()
-        while job["state"] not in ("done", "failed"):
-            await asyncio.sleep(0.05)
-            job = await (await client.get(f"/v1/renders/{job['id']}", headers=auth)).json()
+        job = await _finished_render(client, avatar["id"], wav, headers=auth)
         assert job["state"] == "done", job
         (tmp_path / "r.mp4").write_bytes(await (await client.get(job["output_url"], headers=auth)).read())
 

@@ -91,3 +91,14 @@ async def _avatar(client, headers=A, data=None) -> str:  # type: ignore[no-untyp
     assert r.status == 201, await r.text()
     return (await r.json())["id"]
 
+
+async def _finished_render(client, avatar: str, wav: bytes, headers=A) -> dict:  # type: ignore[no-untyped-def]
+    """POST a render of `wav` on `avatar`, poll it until done or failed; its last state."""
+    r = await client.post(f"/v1/renders?avatar_id={avatar}", data=wav,
+                          headers={**headers, "Content-Type": "audio/wav"})
+    job = await r.json()
+    while job["state"] not in ("done", "failed"):
+        await asyncio.sleep(0.05)
+        job = await (await client.get(f"/v1/renders/{job['id']}", headers=headers)).json()
+    return job
+

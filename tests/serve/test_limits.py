@@ -22,7 +22,7 @@ from avatarstream.errors import InputError
 from avatarstream.serve.app import AVATARS, CONFIG
 from avatarstream.serve.limits import LIMIT_OPTIONS, Limits, json_depth, parse_json
 
-from .helpers import A, B, _app, _avatar, _png, _run, _wav
+from .helpers import A, B, _app, _avatar, _finished_render, _png, _run, _wav
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEEP = b"[" * 200_000  # over the JSON size limit too
@@ -228,12 +228,7 @@ def test_renders_survive_a_restart(tmp_path):
 
     async def first(client):  # type: ignore[no-untyped-def]
         avatar = await _avatar(client)
-        r = await client.post(f"/v1/renders?avatar_id={avatar}", data=_wav(1.0),
-                              headers={**A, "Content-Type": "audio/wav"})
-        job = await r.json()
-        while job["state"] not in ("done", "failed"):
-            await asyncio.sleep(0.05)
-            job = await (await client.get(f"/v1/renders/{job['id']}", headers=A)).json()
+        job = await _finished_render(client, avatar, _wav(1.0))
         assert job["state"] == "done"
         ids["done"] = job["id"]
         r = await client.post(f"/v1/renders?avatar_id={avatar}", data=_wav(29.0),

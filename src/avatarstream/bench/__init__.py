@@ -23,4 +23,5 @@ BENCHMARKS: dict[str, str] = {
     "strategies": "avatarstream.bench.strategies",
     "switch": "avatarstream.bench.switch",
     "soak": "avatarstream.bench.soak",
+    "watermark": "avatarstream.bench.watermark",
 }

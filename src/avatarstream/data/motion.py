@@ -99,7 +99,8 @@ def motion_track(style: TalkingStyle, frames: int, fps: int, speaking: np.ndarra
     rng = np.random.default_rng(seed)
     t = (np.arange(frames) + 0.5) / fps  # frame centres, seconds
     # listening damps the sway (eased over 0.4 s so it never jumps)
-    act = np.convolve(speaking.astype(np.float64), np.ones(max(1, int(0.4 * fps))) / max(1, int(0.4 * fps)), "same")
+    w = max(1, min(frames, int(0.4 * fps)))  # a kernel longer than the track would lengthen it
+    act = np.convolve(speaking.astype(np.float64), np.ones(w) / w, "same")
     gain = 0.6 + 0.4 * act
     yaw = _sway(t, style.sway_frequency, style.sway_amplitude, rng) * gain
     roll = _sway(t, style.sway_frequency * 0.8, style.sway_amplitude * 0.45, rng) * gain

@@ -60,6 +60,8 @@ class PipelineConfig:
     # reference's first usable frame: Avatar V's driving first frame); False: reference only
     scene_frame: bool = True
     seed: int = 0
+    # an invisible mark in every published frame saying it is AI-generated (provenance/watermark.py)
+    watermark: bool = True
     # handoff (FlashHead): Lab colour correction of every decoded frame to the reference (0: off)
     color_strength: float = 1.0
     latent_stride: int = 4  # video frames per latent after the first (the VAE's; LTX: 8)

@@ -166,7 +166,7 @@ class Pipeline:
         for mod in m.modules():
             mod.reset_stats()
         t_start = time.perf_counter()
-        state = SessionState(publisher=Publisher(sinks))
+        state = SessionState(publisher=Publisher(sinks, watermark=c.watermark))
         executor: LocalExecutor | None = None
         try:
             with torch.inference_mode():

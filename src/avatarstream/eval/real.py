@@ -46,19 +46,17 @@ None); a reference in which no face is found is an InputError, since nothing can
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from avatarstream.errors import ConfigError, InputError
+from avatarstream.errors import InputError
 from avatarstream.eval.metrics import frame_energy_db, sample_indices, silent_frames, trimmed_mean
+from avatarstream.media.dlib_models import load_dlib
 
 INSTALL_HINT = "pip install 'avatarstream[real]'"
-LANDMARKS_FILE = "shape_predictor_68_face_landmarks.dat"
-DESCRIPTOR_FILE = "dlib_face_recognition_resnet_model_v1.dat"
 MAR_CLOSED = 0.10  # inner-lip mouth aspect ratio under which the mouth counts as closed (see above)
 SAME_PERSON_DIST = 0.6  # dlib's threshold on the descriptor distance for "same person"
 MAX_MOUTH_FRAMES = 250  # frames whose landmarks are read for the mouth track (evenly spaced)
@@ -89,15 +87,6 @@ def mouth_aspect_ratio(landmarks: np.ndarray) -> float:
     return float(gap / width) if width > 0 else float("nan")
 
 
-def models_dir() -> Path:
-    """Folder of the .dat model files of the face-recognition-models package (found without
-    importing it: its __init__ needs pkg_resources, which current setuptools no longer ships)."""
-    spec = importlib.util.find_spec("face_recognition_models")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"the real-face metrics need the face-recognition-models package: {INSTALL_HINT}")
-    return Path(list(spec.submodule_search_locations)[0]) / "models"
-
-
 class RealFaceExperts:
     """dlib's face detector, 68-point landmark predictor and 128-d face descriptor, loaded on first
     use. `model_dir`: folder with the two .dat files (default: face-recognition-models')."""
@@ -113,18 +102,8 @@ class RealFaceExperts:
         """Import dlib and read the models (once); ConfigError naming the install command if missing."""
         if self._encoder is not None:
             return self
-        try:
-            import dlib
-        except ImportError as e:
-            raise ConfigError(f"the real-face metrics (--real) need dlib: {INSTALL_HINT}") from e
-        d = self.model_dir or models_dir()
-        for name in (LANDMARKS_FILE, DESCRIPTOR_FILE):
-            if not (d / name).is_file():
-                raise ConfigError(f"dlib model {name} not found in {d}: {INSTALL_HINT}")
-        self._dlib = dlib
-        self._detector = dlib.get_frontal_face_detector()
-        self._predictor = dlib.shape_predictor(str(d / LANDMARKS_FILE))
-        self._encoder = dlib.face_recognition_model_v1(str(d / DESCRIPTOR_FILE))
+        m = load_dlib(self.model_dir, INSTALL_HINT)
+        self._dlib, self._detector, self._predictor, self._encoder = m.dlib, m.detector, m.predictor, m.encoder
         return self
 
     def detect(self, frame: np.ndarray) -> tuple[int, int, int, int] | None:

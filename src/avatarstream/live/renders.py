@@ -5,6 +5,14 @@ into a fragmented MP4 (playable while it is written). The ChunkScheduler runs on
 whenever no live session has a chunk due, so renders use the spare time and never make a live
 session late. States: queued -> running -> done | failed | cancelled; `on_finish` (the server's
 job records) hears of each job once, when it reaches one of the last three.
+
+Content credentials: every finished render is signed (provenance/credentials.py: C2PA, made by
+avatarstream with this model, AI-generated), with the certificate of AVATARSTREAM_SIGN_CERT/KEY
+or the local self-signed one. Signing reads and rewrites the whole file (about 1 s per 50 MB), so
+the last step hands the file to a thread of its own (closing the muxer and signing) and leaves the
+scheduler: the job is `done` for the scheduler at once and its state turns `done` (and
+`on_finish` runs, on that thread) when the signed file is in place. A signing failure keeps the
+complete unsigned file; `content_credentials` in the job says which.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from avatarstream.engine.executor import LocalExecutor
 from avatarstream.engine.config import ModelSet
 from avatarstream.engine.pipeline import default_stages
 from avatarstream.errors import InputError
+from avatarstream.provenance.credentials import ContentCredentials, Signed, credentials_for
 from avatarstream.media.frames import AudioChunk, VideoChunk
 from avatarstream.publish.file import FragmentedMP4Sink
 from avatarstream.live.prepared import PreparedReference
@@ -56,11 +65,16 @@ class RenderJob:
     executor: LocalExecutor | None = None  # the engine's stages, decoded inline
     sink: BackgroundSink | None = None
     cancel_requested: bool = False
-    on_finish: Callable[[RenderJob], None] | None = None  # called once, on the scheduler thread
+    on_finish: Callable[[RenderJob], None] | None = None  # called once, when the job is over
+    credentials: ContentCredentials | None = None
+    signed: Signed | None = None
+    finishing: threading.Thread | None = None  # closing and signing the file, off the scheduler
+    _ending: threading.Lock = field(default_factory=threading.Lock)  # finishing vs. discard
 
     @property
     def done(self) -> bool:
-        return self.state in ("done", "failed", "cancelled")
+        """No more work for the scheduler (`state` says when the job itself is over)."""
+        return self.state in ("done", "failed", "cancelled") or self.finishing is not None
 
     @property
     def frames(self) -> int:
@@ -73,7 +87,8 @@ class RenderJob:
                 "progress": round(min(1.0, self.frames / max(1, self.total_frames)), 4),
                 "elapsed_s": round(elapsed, 3),
                 "fps": round(self.frames / elapsed, 2) if elapsed > 0 else 0.0,
-                "error": self.error, "output_url": f"/v1/renders/{self.id}/output"}
+                "error": self.error, "output_url": f"/v1/renders/{self.id}/output",
+                "content_credentials": None if self.signed is None else self.signed.as_dict()}
 
     # -- the scheduler side ----------------------------------------------------------------------
     def step(self) -> None:
@@ -93,10 +108,26 @@ class RenderJob:
             self.executor.run([(rec, self.segment.state)])
             self.segment.finish(rec)
         if rec is None or self.segment.done:
-            assert self.sink is not None
+            self.finishing = threading.Thread(target=self._finish, name=f"render-{self.id}-finish")
+            self.finishing.start()
+
+    def _finish(self) -> None:
+        """Close the file and sign it (the finishing thread), then end the job."""
+        assert self.sink is not None
+        try:
             self.sink.close()
-            self.state, self.finished = "done", time.time()
-            self._finished()
+        except Exception as e:  # noqa: BLE001 - the job reports it, as the scheduler would
+            log.warning("render %s failed while closing its file", self.id, exc_info=True)
+            self.fail(e)
+            return
+        if self.credentials is not None:
+            self.signed = self.credentials.sign_in_place(self.path)
+        with self._ending:
+            removed = self.cancel_requested  # removed while finishing: the file goes too
+            self.state, self.finished = ("cancelled" if removed else "done"), time.time()
+        if removed:
+            self.path.unlink(missing_ok=True)
+        self._finished()
 
     def fail(self, error: BaseException) -> None:
         self.state, self.finished = "failed", time.time()
@@ -113,8 +144,17 @@ class RenderJob:
                 log.warning("recording the end of render %s failed", self.id, exc_info=True)
 
     def cancel(self) -> None:
-        """Ask the scheduler to stop the job at its next step (it removes the partial file)."""
+        """Ask the scheduler to stop the job at its next step (it removes the partial file; a
+        finishing job removes its file when finished)."""
         self.cancel_requested = True
+
+    def discard(self) -> None:
+        """Delete the job's file: now when the job is over, else when it stops (`cancel`)."""
+        with self._ending:
+            over = self.state in ("done", "failed", "cancelled")
+            self.cancel()
+        if over:
+            self.path.unlink(missing_ok=True)
 
 
 class _SinkOutlet:
@@ -131,13 +171,16 @@ class _SinkOutlet:
 
 class RenderManager:
     def __init__(self, data_dir: Path, models: ModelSet, *, max_seconds: float = 600.0,
-                 max_jobs: int = 16, on_finish: Callable[[RenderJob], None] | None = None) -> None:
+                 max_jobs: int = 16, on_finish: Callable[[RenderJob], None] | None = None,
+                 credentials: ContentCredentials | None = None) -> None:
         self.dir = Path(data_dir) / "renders"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.models = models
         self.max_seconds = max_seconds
         self.max_jobs = max_jobs
         self.on_finish = on_finish
+        # every render is signed: the given credentials, else the environment's or local ones
+        self.credentials = credentials or credentials_for(models.name)
         self.jobs: dict[str, RenderJob] = {}
         self._lock = threading.Lock()
 
@@ -158,14 +201,14 @@ class RenderManager:
         job_id = secrets.token_hex(12)
         spf = c.sample_rate // c.fps
         path = self.dir / f"{job_id}.mp4"
-        sink = BackgroundSink(FragmentedMP4Sink(path))
+        sink = BackgroundSink(FragmentedMP4Sink(path), watermark=c.watermark)
         sink.open(c.out_hw[1], c.out_hw[0], c.fps, c.sample_rate)
         text, mask = self.models.text.call("encode", [""])
         seg = TalkSegment(self.models, prepared, text, mask,
                           _pieces(audio, c.sample_rate // 5, spf), _SinkOutlet(sink), start_frame=0)
         job = RenderJob(job_id, owner, path, -(-audio.size // spf), segment=seg, sink=sink,
                         executor=LocalExecutor(default_stages(self.models, c)),
-                        on_finish=self.on_finish)
+                        on_finish=self.on_finish, credentials=self.credentials)
         with self._lock:
             self.jobs[job_id] = job
         return job
@@ -183,7 +226,4 @@ class RenderManager:
         """Forget the job: a finished one's file is deleted, a running one is cancelled."""
         with self._lock:
             self.jobs.pop(job.id, None)
-        if job.done:
-            job.path.unlink(missing_ok=True)
-        else:
-            job.cancel()
+        job.discard()

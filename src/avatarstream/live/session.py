@@ -48,6 +48,7 @@ from avatarstream.errors import AvatarStreamError
 from avatarstream.media.frames import AudioChunk, VideoChunk
 from avatarstream.publish.base import Sink
 from avatarstream.live.idle import IdleAnimator
+from avatarstream.provenance.watermark import embed
 from avatarstream.live.speech import SpeechQueue
 from avatarstream.live.prepared import PreparedReference, prepare_reference
 from avatarstream.live.segment import NotReady, TalkSegment, UtteranceAudio
@@ -245,6 +246,8 @@ class LiveSession:
             return list(self._sinks)
 
     def put_video(self, frames: np.ndarray, start_frame: int, fps: int) -> None:
+        if self.models.config.watermark:  # every sink gets marked frames (provenance/watermark.py)
+            frames = embed(frames, start_frame)
         chunk = VideoChunk(frames=frames, start_frame=start_frame, fps=fps)
         with self._write_lock:
             for s in self._sinks_now():

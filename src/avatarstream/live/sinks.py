@@ -82,11 +82,13 @@ class LiveQueueSink:
 
 class BackgroundSink:
     """A sink fed through the engine's Publisher thread, so encoding (HLS, files) never runs on
-    the scheduler thread; its bounded queue back-pressures only if the encoder falls far behind."""
+    the scheduler thread; its bounded queue back-pressures only if the encoder falls far behind.
+    watermark: mark the frames on that thread (a render's; a session's frames come marked)."""
 
-    def __init__(self, sink: Sink, *, max_queued: int = 64) -> None:
+    def __init__(self, sink: Sink, *, max_queued: int = 64, watermark: bool = False) -> None:
         self.sink = sink
         self.max_queued = max_queued
+        self.watermark = watermark
         self._pub: Publisher | None = None
 
     @property
@@ -95,7 +97,7 @@ class BackgroundSink:
 
     def open(self, width: int, height: int, fps: int, sample_rate: int) -> None:
         self.sink.open(width, height, fps, sample_rate)
-        self._pub = Publisher([self.sink], max_queued=self.max_queued)
+        self._pub = Publisher([self.sink], max_queued=self.max_queued, watermark=self.watermark)
 
     def write_video(self, chunk: VideoChunk) -> None:
         assert self._pub is not None

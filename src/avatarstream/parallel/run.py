@@ -265,7 +265,8 @@ def run_this_rank(job: TPPJob) -> dict[str, Any] | None:
 # the CLI's own launcher
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a rendezvous or a test's server)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -299,7 +300,7 @@ def spawn(job: TPPJob) -> dict[str, Any]:
         raise ConfigError("--device cuda: no CUDA device is available here")
     results = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.start_processes(_spawned, args=(job, _free_port(), results), nprocs=job.processes,
+        mp.start_processes(_spawned, args=(job, free_port(), results), nprocs=job.processes,
                            join=True, start_method="spawn")
     except ProcessException as e:  # raised, or killed by a signal
         msgs = []

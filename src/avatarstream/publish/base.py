@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from avatarstream.errors import AvatarStreamError, OutputError
 from avatarstream.media.frames import AudioChunk, VideoChunk
 from avatarstream.publish.output import Kept
+
+if TYPE_CHECKING:
+    from avatarstream.provenance.credentials import ContentCredentials
 
 
 @runtime_checkable
@@ -92,16 +95,22 @@ def ending(sinks: Sequence[Sink]) -> Iterator[None]:
     end_sinks(sinks, ok=True)
 
 
-def generate_outputs(out: str | Path, hls: str | Path | None = None) -> list[Sink]:
-    """The sinks of `generate --out OUT [--hls DIR]`: atomic (a new file replaces an old one only
-    when complete) and reserved now, so a second run writing the same path is refused before
-    any work (OutputError)."""
+def generate_outputs(out: str | Path, hls: str | Path | None = None, *,
+                     credentials: ContentCredentials | None = None,
+                     rtmp: str | None = None) -> list[Sink]:
+    """The sinks of `generate --out OUT [--hls DIR] [--rtmp URL]`: atomic (a new file replaces an
+    old one only when complete) and reserved now, so a second run writing the same path is refused
+    before any work (OutputError); an RTMP server that cannot be reached is refused then too.
+    `credentials` (provenance/credentials.py) sign the file at close."""
     from avatarstream.publish.file import FragmentedMP4Sink
     from avatarstream.publish.hls import HLSSink
+    from avatarstream.publish.rtmp import RTMPSink
 
-    sinks: list = [FragmentedMP4Sink(out, atomic=True)]
+    sinks: list = [FragmentedMP4Sink(out, atomic=True, credentials=credentials)]
     if hls:
         sinks.append(HLSSink(hls, atomic=True))
+    if rtmp:
+        sinks.append(RTMPSink(rtmp))
     for i, sink in enumerate(sinks):
         try:
             sink.reserve()

@@ -28,6 +28,13 @@ file grows at `talk.partial-<pid>.mp4`, playable all along, and is renamed over 
 `close`. `abort` deletes the partial and `keep` (a failed run that wrote frames) leaves it under its
 name; the old `talk.mp4` is untouched by both. A second writer of the same path is refused.
 
+Content credentials
+-------------------
+Given `credentials` (provenance/credentials.py), `close` signs the complete file before it takes
+its final name: a signed copy is written beside it and renamed over it (the partial in atomic
+mode, then renamed over `path` as before; the file itself in place). A signing failure leaves the
+complete unsigned file, and `signed` says what happened.
+
 Write errors
 ------------
 A failed write (disk full, a file-size limit, SIGINT in the middle of a write) cuts the file back
@@ -49,12 +56,16 @@ import logging
 import os
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import av
 
 from avatarstream.errors import OutputError
 from avatarstream.publish.encoder import AVEncoder, EncodingSink
 from avatarstream.publish.output import AtomicOutput, Kept, os_reason
+
+if TYPE_CHECKING:
+    from avatarstream.provenance.credentials import ContentCredentials, Signed
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +235,11 @@ class FragmentedMP4Sink(EncodingSink):
     MOVFLAGS = "frag_keyframe+empty_moov+delay_moov+default_base_moof"
 
     def __init__(self, path: str | Path, *, crf: int = 20, preset: str = "veryfast",
-                 fsync: bool = False, atomic: bool = False) -> None:
+                 fsync: bool = False, atomic: bool = False,
+                 credentials: ContentCredentials | None = None) -> None:
         self.path = Path(path)
+        self.credentials = credentials  # sign the finished file (module doc); None: unsigned
+        self.signed: Signed | None = None
         self.crf = crf
         self.preset = preset
         self.fsync = fsync
@@ -285,10 +299,14 @@ class FragmentedMP4Sink(EncodingSink):
         self._file = None
 
     def close(self) -> None:
-        """Finish the file; in atomic mode rename it over `path`. On an OutputError the partial
-        file and the lock stay: follow with `keep` or `abort`."""
-        if self._container is not None:
+        """Finish the file, sign it when the sink has credentials; in atomic mode rename it over
+        `path`. On an OutputError the partial file and the lock stay: follow with `keep` or
+        `abort`."""
+        finished = self._container is not None
+        if finished:
             super().close()
+        if finished and self.credentials is not None:
+            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
         if self._target is None:
             return
         if self._target.partial is None:
@@ -338,15 +356,20 @@ class FragmentedMP4Sink(EncodingSink):
 class ReservedOutput:
     """An atomic output whose bytes another process writes in place at `writing` (the decode rank
     of `generate --workers`): this side holds the lock and ends it as `end_sinks` ends a sink —
-    `close` renames it over `path`, `keep` keeps it when it holds frames, `abort` deletes it."""
+    `close` signs it (given `credentials`) and renames it over `path`, `keep` keeps it when it
+    holds frames, `abort` deletes it."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, credentials: ContentCredentials | None = None) -> None:
         self.path = Path(path)
         self._target = AtomicOutput(self.path)
         self.writing = self._target.begin()  # takes the lock: a second writer is refused here
         self.durable_frames = 0
+        self.credentials = credentials
+        self.signed: Signed | None = None
 
     def close(self) -> None:
+        if self.credentials is not None:
+            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
         self._target.commit()
 
     def keep(self) -> Kept | None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from avatarstream.engine.config import SIZE_HELP, parse_size
 from avatarstream.errors import ConfigError
+from avatarstream.provenance import NO_WATERMARK_HELP
 from avatarstream.serve.limits import add_limit_arguments, limits_from_args
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name (see `avatarstream models`; default: the registry's default)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the models run (cuda: the first GPU; an error when there is none)")
+    p.add_argument("--lora", default=None, metavar="FILE",
+                   help="a personality adapter (`avatarstream train personality`) merged into the DiT")
     p.add_argument("--data-dir", default="serve-data",
                    help="folder for avatars (SQLite + tensors), renders and live session files")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY", help=KEYS_HELP)
@@ -45,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None, metavar="WxH", help=SIZE_HELP)
     p.add_argument("--no-batching", action="store_true",
                    help="run every session's chunks on their own (for comparison)")
+    p.add_argument("--no-watermark", action="store_true",
+                   help=NO_WATERMARK_HELP)
     p.add_argument("--piper-voice", default=None, metavar="MODEL.onnx",
                    help="a piper voice model for the 'piper' TTS voice (needs avatarstream[piper])")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -83,9 +88,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = None if args.size is None else parse_size(args.size)
     if size is not None:  # checked before any weight is read: the multiple the model needs
         model_spec_for(model).pipeline().with_size(*size)
-    models = load_model(model, device=args.device)
+    models = load_model(model, device=args.device, lora=args.lora)
     if size is not None:
         models = dataclasses.replace(models, config=models.config.with_size(*size))
+    if args.no_watermark:
+        models = dataclasses.replace(models, config=dataclasses.replace(models.config, watermark=False))
     app = make_app(models, config)
     log.info("serving %s on http://%s:%d (data in %s)", model, args.host, args.port,
              config.data_dir)

@@ -29,15 +29,17 @@ AVATAR = _obj({"id": HEX_ID, "created": NUM, "frames": INT,
                "size": {"oneOf": [INT, {"type": "string", "pattern": "^[0-9]+x[0-9]+$"}]},
                "is_image": BOOL, "content_type": S})
 SESSION = _obj({"session_id": HEX_ID, "token": S, "audio_url": S, "offer_url": S, "say_url": S,
-                "hls_url": _nullable(S), "sample_rate": INT, "fps": INT, "playout_delay_s": NUM})
+                "hls_url": _nullable(S), "rtmp": _nullable(S), "sample_rate": INT, "fps": INT,
+                "playout_delay_s": NUM})
 SESSION_STATE = _obj({
     "state": {"type": "string", "enum": ["idle", "talking", "ended"]}, "media_s": NUM,
     "lag_s": NUM, "buffered_s": NUM, "utterances": INT, "viewer": BOOL,
-    "playout_start_s": _nullable(NUM), "late_frames": INT,
+    "playout_start_s": _nullable(NUM), "late_frames": INT, "rtmp": _nullable({"type": "object"}),
     "events": {"type": "array", "items": _obj({"type": S}, ["type"])}})
 RENDER = _obj({"id": HEX_ID, "state": {"type": "string", "enum": [
     "queued", "running", "done", "failed", "cancelled"]}, "frames": INT, "total_frames": INT,
-    "progress": NUM, "elapsed_s": NUM, "fps": NUM, "error": _nullable(S), "output_url": S})
+    "progress": NUM, "elapsed_s": NUM, "fps": NUM, "error": _nullable(S), "output_url": S,
+    "content_credentials": _nullable({"type": "object"})})
 SERVER = _obj({"model": S, "capacity": _nullable({"type": "object"}), "live_sessions": INT,
                "refused": INT, "playout_delay_s": NUM, "scheduler": {"type": "object"}})
 VOICES = _obj({"default": S, "voices": {"type": "array", "items": _obj(
@@ -124,7 +126,7 @@ def openapi_schema(limits: Limits | None = None) -> dict:
             "/v1/sessions": {"post": {
                 "summary": "open a live session on an avatar; 503 when it could not be served "
                            "in real time", "security": _BEARER,
-                "requestBody": _body(_obj({"avatar_id": S, "hls": BOOL}, ["avatar_id"])),
+                "requestBody": _body(_obj({"avatar_id": S, "hls": BOOL, "rtmp_url": S}, ["avatar_id"])),
                 "responses": _answers({201: _json(SESSION, "the session, its token and URLs")},
                                       401, 404, 413, 503, 507)}},
             "/v1/sessions/{id}": {

@@ -18,6 +18,7 @@ import secrets
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from avatarstream.errors import AvatarStreamError, InputError
+from avatarstream.publish.rtmp import RTMPSink
 from avatarstream.serve.app import AVATARS, CONFIG, SESSIONS, TTS, api_key, error, read_json
 from avatarstream.serve.avatars import key_fingerprint
 from avatarstream.serve.guards import caller_key, resolved
@@ -68,6 +69,21 @@ async def _entry_json(request: web.Request) -> tuple[Entry, dict] | web.Response
     return body if isinstance(body, web.Response) else (entry, body)
 
 
+async def _rtmp_sink(url: object) -> RTMPSink | None | web.Response:
+    """The RTMP sink a session's `rtmp_url` asks for, its server checked reachable (off the event
+    loop); a 400 naming what is wrong with the URL."""
+    if url is None:
+        return None
+    if not isinstance(url, str):
+        return error(400, "rtmp_url must be a string such as rtmp://live.example.com/app/KEY")
+    try:
+        sink = RTMPSink(url, wait_on_close=False)  # closed on the scheduler thread
+        await asyncio.to_thread(sink.reserve)
+    except AvatarStreamError as e:
+        return error(400, str(e))
+    return sink
+
+
 @ROUTES.post("/v1/sessions")
 @resolved(caller_key)
 async def post_session(request: web.Request, key: str) -> web.Response:
@@ -84,8 +100,12 @@ async def post_session(request: web.Request, key: str) -> web.Response:
     manager = request.app[SESSIONS]
     frames = await asyncio.to_thread(store.frames, avatar)
     prepared = await asyncio.to_thread(store.prepared, avatar, manager.models)
+    rtmp = await _rtmp_sink(body.get("rtmp_url"))
+    if isinstance(rtmp, web.Response):
+        return rtmp
     try:
-        sid, entry = manager.open(key_fingerprint(key), frames, prepared, hls=bool(body.get("hls")))
+        sid, entry = manager.open(key_fingerprint(key), frames, prepared, hls=bool(body.get("hls")),
+                                  rtmp=rtmp)
     except AdmissionError as e:
         return error(503, str(e), **{"Retry-After": "10"})
     t = entry.token
@@ -95,6 +115,7 @@ async def post_session(request: web.Request, key: str) -> web.Response:
         "offer_url": f"/v1/sessions/{sid}/offer?token={t}",
         "say_url": f"/v1/sessions/{sid}/say?token={t}",
         "hls_url": f"/v1/sessions/{sid}/hls/{PLAYLIST}?token={t}" if entry.hls else None,
+        "rtmp": entry.rtmp.stats()["url"] if entry.rtmp else None,
         "sample_rate": manager.models.config.sample_rate,
         "fps": manager.models.config.fps,
         "playout_delay_s": round(manager.playout_delay_s, 3),
@@ -113,6 +134,7 @@ async def get_session(request: web.Request, entry: Entry) -> web.Response:
         "buffered_s": round(s.buffered_seconds, 3), "utterances": s.segments,
         "viewer": entry.peer is not None, "playout_start_s": entry.playout_start_s,
         "late_frames": entry.playout.late_frames if entry.playout else 0,
+        "rtmp": entry.rtmp.stats() if entry.rtmp else None,
         "events": list(s.events)[-20:],
     })
 

@@ -29,6 +29,7 @@ from avatarstream.live.prepared import PreparedReference
 from avatarstream.live.scheduler import ChunkScheduler
 from avatarstream.live.session import LiveSession
 from avatarstream.live.sinks import BackgroundSink
+from avatarstream.publish.rtmp import RTMPSink
 
 if TYPE_CHECKING:
     from avatarstream.serve.app import ServerConfig
@@ -48,6 +49,7 @@ class Entry:
     token: str
     dir: Path
     hls: bool = False
+    rtmp: RTMPSink | None = None  # pushing the session to an RTMP server
     peer: WebRTCPeer | None = None
     playout: Playout | None = None
     sockets: set[web.WebSocketResponse] = field(default_factory=set)
@@ -85,8 +87,10 @@ class SessionManager:
         self.refused = 0
 
     def open(self, owner: str, frames: torch.Tensor, prepared: PreparedReference, *,
-             hls: bool = False) -> tuple[str, Entry]:
-        """Start a session (raises AdmissionError when it cannot be served in real time)."""
+             hls: bool = False, rtmp: RTMPSink | None = None) -> tuple[str, Entry]:
+        """Start a session (raises AdmissionError when it cannot be served in real time);
+        `rtmp`: a reserved RTMP sink the session's output is also pushed to (it never blocks the
+        scheduler: it encodes and sends on its own thread)."""
         reason = self.scheduler.admit()
         if reason is not None:
             self.refused += 1
@@ -98,6 +102,8 @@ class SessionManager:
         if hls:
             sinks.append(BackgroundSink(FMP4HLSSink(d / "hls",
                                                     segment_seconds=self.config.hls_segment_seconds)))
+        if rtmp is not None:
+            sinks.append(rtmp)
         # Viewers attach their own sinks; nobody reads frames(): keep no in-process frame queue.
         live = dataclasses.replace(self.config.session, max_out_items=0)
         holder: list[Entry] = []
@@ -108,7 +114,7 @@ class SessionManager:
 
         session = LiveSession(self.models, frames, prepared=prepared, config=live, sinks=sinks,
                               scheduler=self.scheduler, on_event=on_event)
-        entry = Entry(session, owner, secrets.token_urlsafe(24), d, hls=hls)
+        entry = Entry(session, owner, secrets.token_urlsafe(24), d, hls=hls, rtmp=rtmp)
         holder.append(entry)
         self.entries[sid] = entry
         session.start()

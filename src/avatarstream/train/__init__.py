@@ -15,5 +15,8 @@ imports this package.
 - `human`: the expert (lip-sync, identity) auxiliary losses of the a2v recipes.
 - `export`: EMA weights of runs -> `weights/NAME/{dit,refiner,vae,audio,text}.safetensors` +
   `config.json` for the registry.
-- `cli`: `avatarstream train RECIPE | prepare | export`.
+- `personality`: `train personality`, a LoRA fitting a model (ours, FlashHead, LiveAvatar) to one
+  person's footage on cross-scene pairs (`personality_data`: footage and pairs;
+  `personality_families`: each family's flow-matching objective).
+- `cli`: `avatarstream train RECIPE | prepare | export | personality`.
 """

@@ -6,6 +6,13 @@ count, recipe fingerprint, ...). Both are written to a temporary name, synced an
 sidecar after the weights, so a checkpoint exists once its sidecar does and a run killed
 mid-write resumes from the one before.
 
+A run under torchrun (train/distributed.py) writes its checkpoints in torch's distributed
+checkpoint format instead: a folder `ckpt-<step>/` (DCP: `.metadata` and one `.distcp` file per
+rank, each rank writing its own shards; the same keys as the safetensors file, plus each rank's
+RNG state as `rng.rank<r>`) and the same sidecar, written by rank 0 after every rank finished.
+`load_checkpoint` reads either form as full tensors in one process (no process group), so export,
+`[init]` and a one-process `--resume` take a torchrun run's checkpoints as they are.
+
 Starting weights (`[init]`, `dmd.teacher`, `dmd.fake_init`) are read by `net_weights` from a run
 folder, an exported weights folder, a prepared file or a bare .safetensors, and loaded by
 `load_init`, which also takes weights older than the network (new inputs start at zero, an LR
@@ -16,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,26 +41,45 @@ NEW_INPUTS = ("anchor_embedding.",)
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path, Path]]:
-    """Complete checkpoints (sidecar + weights), newest first: (step, sidecar, weights)."""
+    """Complete checkpoints (sidecar + weights file or DCP folder), newest first: (step, sidecar,
+    weights)."""
     out = []
     for js in run_dir.glob("ckpt-*.json"):
-        st = js.with_suffix(".safetensors")
         try:
             step = int(js.stem.split("-")[1])
         except (IndexError, ValueError):
             continue
+        st, folder = js.with_suffix(".safetensors"), js.with_suffix("")
         if st.is_file():
             out.append((step, js, st))
+        elif (folder / ".metadata").is_file():
+            out.append((step, js, folder))
     return sorted(out, reverse=True)
 
 
+def read_dcp(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint folder, whole (resharded by DCP), in this one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    meta = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+           if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
 def load_checkpoint(run_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    """(sidecar, tensors) of the newest readable checkpoint, or None."""
+    """(sidecar, tensors) of the newest readable checkpoint (either form), or None."""
     from safetensors.torch import load_file
 
     for _, js, st in list_checkpoints(run_dir):
         try:
-            return json.loads(js.read_text()), load_file(str(st))
+            tensors = read_dcp(st) if st.is_dir() else load_file(str(st))
+            return json.loads(js.read_text()), {k: v for k, v in tensors.items() if not k.startswith("rng.")}
         except Exception:  # noqa: BLE001 - a damaged file (torn write, bad header): use the one before
             continue
     return None
@@ -77,12 +105,34 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], 
     stem = f"ckpt-{step:08d}"
     weights = run_dir / f"{stem}.safetensors"
     atomic_write_bytes(weights, save(tensors))
-    atomic_write_bytes(run_dir / f"{stem}.json",
-                       json.dumps({"version": CKPT_VERSION, **sidecar}, indent=1).encode())
-    for _, js, st in list_checkpoints(run_dir)[keep:]:
-        js.unlink(missing_ok=True)
-        st.unlink(missing_ok=True)
+    write_sidecar(run_dir, step, sidecar)
+    prune(run_dir, keep)
     return weights
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (sidecar first: never a sidecar without data),
+    and DCP folders older than the newest checkpoint that never got their sidecar (a save killed
+    half way)."""
+    found = list_checkpoints(run_dir)
+    for _, js, st in found[keep:]:
+        js.unlink(missing_ok=True)
+        if st.is_dir():
+            shutil.rmtree(st, ignore_errors=True)
+        else:
+            st.unlink(missing_ok=True)
+    for folder in run_dir.glob("ckpt-*"):
+        torn = folder.is_dir() and not folder.with_suffix(".json").exists()
+        if torn and found and folder.name.split("-")[-1].isdigit() and int(folder.name.split("-")[-1]) < found[0][0]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_sidecar(run_dir: Path, step: int, sidecar: dict[str, Any]) -> Path:
+    """The sidecar of checkpoint `step` (`version` added), written atomically: it makes the
+    checkpoint exist, so it is written after the data."""
+    js = run_dir / f"ckpt-{step:08d}.json"
+    atomic_write_bytes(js, json.dumps({"version": CKPT_VERSION, **sidecar}, indent=1).encode())
+    return js
 
 
 def net_weights(source: str | Path, net: str) -> dict[str, torch.Tensor]:

@@ -2,9 +2,13 @@
 
     avatarstream train RECIPE [--resume] [--run-dir DIR] [--max-steps N] [--device cpu|cuda]
                               [--set section.key=value ...] [--no-progress]
+                              [--nproc N] [--shard auto|ddp|fsdp] [--micro-batches M]
+        (also `torchrun --nproc-per-node N -m avatarstream.cli train RECIPE ...`: train/distributed.py)
     avatarstream train prepare --shards SYNTH_DIR --vae VAE_RUN|WEIGHTS|random --model tiny|small
                                --out FILE.safetensors [--max-clips N] [--device cpu|cuda]
     avatarstream train export RUN_DIR [RUN_DIR ...] --out weights/NAME/ [--steps K]
+    avatarstream train personality --base MODEL --footage DIR [--out FILE] [--steps N] [--rank R]
+                                   [--resume] (a LoRA for one person: train/personality.py)
 
 Each returns a JSON-serialisable summary (the top-level CLI prints it).
 """
@@ -28,8 +32,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", metavar="RECIPE|prepare|export",
-                   help="a recipe (.toml path or name under recipes/), or `prepare` / `export`")
+    p.add_argument("recipe", metavar="RECIPE|prepare|export|personality",
+                   help="a recipe (.toml path or name under recipes/), or `prepare` / `export` / `personality`")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that form (see above)")
 
 
@@ -44,6 +48,12 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe value (TOML syntax)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="train data-parallel on N processes here (starts torchrun --standalone)")
+    p.add_argument("--shard", default="auto", choices=["auto", "ddp", "fsdp"],
+                   help="under torchrun: DDP, or FSDP2 sharding (auto: fsdp when a DiT trains)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="draw the global batch as M micro-batches (default: one per process)")
     return p
 
 
@@ -87,6 +97,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.json = True
     if args.recipe == "prepare":
         return _prepare(_parse(_prepare_parser(), args.rest))
+    if args.recipe == "personality":
+        from avatarstream.train import personality
+
+        return personality.run(_parse(personality.parser(_Parser), args.rest))
     if args.recipe == "export":
         from avatarstream.train.export import export
 
@@ -100,9 +114,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     recipe = load_recipe(args.recipe, ns.set)
     if ns.max_steps is not None and ns.max_steps < 1:
         raise ConfigError("--max-steps must be at least 1")
+    if ns.nproc:  # checked here first: a bad recipe is one message, not one a rank
+        from avatarstream.train.distributed import check_split, launch, without_nproc
+
+        check_split(recipe["train"]["batch"], ns.micro_batches or ns.nproc, ns.nproc)
+        return launch(ns.nproc, args.recipe, without_nproc(args.rest))
     run_dir = Path(ns.run_dir) if ns.run_dir else Path("runs") / recipe["name"]
-    return Trainer(recipe, run_dir, device=ns.device, max_steps=ns.max_steps,
-                   progress=not ns.no_progress).run(resume=ns.resume)
+    from avatarstream.train.distributed import group
+
+    with group(ns.device) as device:
+        return Trainer(recipe, run_dir, device=device, max_steps=ns.max_steps, progress=not ns.no_progress,
+                       shard=ns.shard, micro_batches=ns.micro_batches).run(resume=ns.resume)
 
 
 def _prepare(ns: argparse.Namespace) -> dict[str, Any]:

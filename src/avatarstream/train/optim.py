@@ -19,6 +19,10 @@ fuses its products (`addmm`), and keeps its momentum as an average (`lerp`) wher
 AdamW's bias correction counts each parameter's own updates (torch's), where ours counted
 optimiser steps; they differ only for a parameter that skips steps (a DMD generator with
 `fake_updates` > 1), over its first ~100 updates.
+
+Under FSDP2 (train/distributed.py) the Muon matrices are row shards (DTensors): their step gathers
+each update matrix whole for the Newton–Schulz iteration (`distributed.muon_step_sharded`, with
+torch's own NS); AdamW runs on the shards as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # a checkpoint's optimizer state before issue 27 (our Muon): momentum kept as a sum, one AdamW step
 # count for every parameter (the sidecar's `opt_t`)
@@ -61,6 +66,8 @@ class MuonAdamW:
         groups = [{"params": [p for p in adam if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in adam if p.dim() < 2], "weight_decay": 0.0}]
         self.opts: list[torch.optim.Optimizer] = []
+        # FSDP2 shards: Newton–Schulz needs whole matrices (distributed.muon_step_sharded)
+        self.sharded_muon = any(isinstance(p, DTensor) for p in muon)
         if muon:
             self.opts.append(torch.optim.Muon(muon, lr=0.0, weight_decay=weight_decay, momentum=momentum,
                                               nesterov=True, ns_steps=ns_steps, adjust_lr_fn="match_rms_adamw"))
@@ -91,10 +98,20 @@ class MuonAdamW:
         for opt in self.opts:
             for group in opt.param_groups:
                 group["lr"] = lr
-            opt.step()
+            if self.sharded_muon and isinstance(opt, torch.optim.Muon):
+                from avatarstream.train.distributed import muon_step_sharded
+
+                muon_step_sharded(opt)
+            else:
+                opt.step()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().contiguous() for k, v in self._state.items()}
+
+    def live_state(self) -> dict[str, torch.Tensor]:
+        """The state tensors themselves (shards where sharded), for in-place distributed
+        checkpoint save and load (the step count `t` goes in the sidecar)."""
+        return dict(self._state)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], t: int, version: int = 2) -> None:
         """Restore `state_tensors()` output and the step count `t`. A checkpoint written by our

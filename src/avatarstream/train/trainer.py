@@ -19,6 +19,11 @@ seeded from (seed, s), so a run killed at any time and resumed from its last che
 the same batches; with the same device and thread count the resumed weights equal the
 uninterrupted run's bit for bit. The last `keep` checkpoints are kept.
 
+Under torchrun (train/distributed.py) every rank runs this loop on its micro-batches of the step's
+global batch (`step_generator(seed, step, m)` for micro-batch m), the networks wrapped in DDP or
+FSDP2; checkpoints are DCP folders `ckpt-<step>/` with the same sidecar, and rank 0 alone writes
+the log, plots, recipe.json and summary.json.
+
 Lengthening a run: `--resume --set train.steps=N` on a run whose checkpoints differ from the
 recipe only in `train.steps` continues it, with the learning-rate schedule from the checkpoint on
 following the new length (so it is not the run a fresh N-step recipe would make). Each change is
@@ -38,8 +43,9 @@ import torch
 
 from avatarstream.errors import ConfigError
 from avatarstream.hardware import resolve_bf16
-from avatarstream.train.checkpoints import (atomic_write_bytes, list_checkpoints, load_checkpoint, load_init,
-                                            net_weights, save_checkpoint)
+from avatarstream.train import distributed
+from avatarstream.train.checkpoints import (CKPT_VERSION, atomic_write_bytes, list_checkpoints, load_checkpoint,
+                                            load_init, net_weights, save_checkpoint)
 from avatarstream.train.nets import vae_for
 from avatarstream.train.objectives import Task, make_task
 from avatarstream.train.optim import MuonAdamW, lr_at
@@ -50,9 +56,15 @@ def _with_steps(recipe: dict[str, Any], steps: int) -> dict[str, Any]:
     return {**recipe, "train": {**recipe["train"], "steps": steps}}
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The CPU generator of one step: a 63-bit mix of (seed, step)."""
-    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+def _with_batch(recipe: dict[str, Any], batch: int) -> dict[str, Any]:
+    return {**recipe, "train": {**recipe["train"], "batch": batch}}
+
+
+def step_generator(seed: int, step: int, micro: int = 0) -> torch.Generator:
+    """The CPU generator of one step (of its micro-batch `micro`; 0: the step's whole batch when it
+    is one micro-batch): a 63-bit mix of (seed, step, micro)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + micro * 0xD6E8FEB86659FD93
+         + 0x94D049BB133111EB) & (2**64 - 1)
     x ^= x >> 31
     return torch.Generator().manual_seed(x & (2**63 - 1))
 
@@ -74,19 +86,26 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 class Trainer:
-    """One training run of a resolved recipe (see `recipe.py`) in `run_dir`."""
+    """One training run of a resolved recipe (see `recipe.py`) in `run_dir`. `micro_batches`: the
+    global batch is drawn as that many micro-batches (default: one per rank; a one-process run
+    with M accumulates the gradients of M, the same global batch as M ranks); `shard`: ddp, fsdp
+    or auto under torchrun (train/distributed.py)."""
 
     def __init__(self, recipe: dict[str, Any], run_dir: str | Path, *, device: str | None = "cpu",
-                 max_steps: int | None = None, progress: bool = True) -> None:
+                 max_steps: int | None = None, progress: bool = True, shard: str = "auto",
+                 micro_batches: int | None = None) -> None:
         self.recipe = recipe
         self.tr = recipe["train"]
         self.run_dir = Path(run_dir)
         self.device = resolve_device(device)
         self.max_steps = max_steps
-        self.progress = progress
+        self.rank = distributed.rank()
+        self.progress = progress and self.rank == 0
         if self.tr["threads"]:
             torch.set_num_threads(int(self.tr["threads"]))
-        self.task: Task = make_task(recipe, self.device)
+        self.micro = micro_batches or distributed.world()
+        self.mine = distributed.my_micro_batches(self.tr["batch"], self.micro)
+        self.task: Task = make_task(_with_batch(recipe, self.tr["batch"] // self.micro), self.device)
         for net, src in recipe["init"].items():
             if src and net in self.task.nets:
                 sd = net_weights(src, net)
@@ -101,6 +120,9 @@ class Trainer:
             net.train(train)
             net.requires_grad_(train)
         self.task.freeze()
+        self.shard = distributed.resolve_shard(shard, self.task) if distributed.active() else None
+        # DDP / FSDP2 around the trainable nets (FSDP2 turns their parameters into shards in place)
+        self.model = distributed.wrap(self.task, self.shard, self.device) if self.shard else None
         self.named = [(f"{n}.{k}", p) for n in self.task.trainable
                       for k, p in self.task.nets[n].named_parameters()]
         self.opt = MuonAdamW(self.named, weight_decay=self.tr["weight_decay"], betas=tuple(self.tr["betas"]),
@@ -124,19 +146,58 @@ class Trainer:
             t[f"optim.{k}"] = v.clone()
         return t
 
+    def live_state(self) -> dict[str, torch.Tensor]:
+        """The keys of `state_tensors` mapped to the live tensors (shards under FSDP2): what a
+        distributed checkpoint saves from and loads into, in place."""
+        t: dict[str, torch.Tensor] = {}
+        for name, net in self.task.nets.items():
+            for k, v in net.state_dict().items():
+                t[f"model.{name}.{k}"] = v
+        t.update({f"ema.{k}": v for k, v in self.ema.items()})
+        t.update({f"optim.{k}": v for k, v in self.opt.live_state().items()})
+        return t
+
     def save_checkpoint(self) -> Path:
         side = {"step": self.step, "opt_t": self.opt.t,
                 "fingerprint": fingerprint(self.recipe), "stage": self.recipe["stage"],
                 "model": self.recipe["model"], "trainable": list(self.task.trainable),
                 "elapsed_s": round(self.elapsed, 3), "saved_at": time.time(),
-                "steps": self.tr["steps"], "steps_changed": self.steps_changed}
+                "steps": self.tr["steps"], "steps_changed": self.steps_changed,
+                "micro_batches": self.micro, "world": distributed.world()}
+        if self.shard:
+            side["shard"] = self.shard
+            return distributed.save_dcp(self.run_dir, self.step, self.live_state(), side, self.tr["keep"])
         return save_checkpoint(self.run_dir, self.step, self.state_tensors(), side, self.tr["keep"])
 
     def restore(self) -> bool:
-        ck = load_checkpoint(self.run_dir)
-        if ck is None:
-            return False
-        side, t = ck
+        found = list_checkpoints(self.run_dir)
+        if self.shard and found and found[0][2].is_dir():  # DCP: every rank loads its shards in place
+            side = json.loads(found[0][1].read_text())
+            self._check_resume(side)
+            distributed.load_dcp(found[0][2], self.live_state())
+        else:
+            ck = load_checkpoint(self.run_dir)
+            if ck is None:
+                return False
+            side, t = ck
+            self._check_resume(side)
+            if self.shard:  # a one-process checkpoint: each rank takes its part of the whole tensors
+                if side.get("version", 1) != CKPT_VERSION:
+                    raise ConfigError(f"{self.run_dir}: a checkpoint this old resumes in one process only")
+                distributed.copy_full(self.live_state(), t)
+            else:
+                self._load_tensors(side, t)
+        self.opt.t = int(side["opt_t"])
+        self.step = int(side["step"])
+        self.elapsed = float(side.get("elapsed_s", 0.0))
+        return True
+
+    def _check_resume(self, side: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another trajectory; record a changed `train.steps`."""
+        if int(side.get("micro_batches", 1)) != self.micro:
+            raise ConfigError(f"{self.run_dir}: its checkpoints split the global batch in "
+                              f"{side.get('micro_batches', 1)} micro-batches, this run in {self.micro} "
+                              f"(resume with --micro-batches {side.get('micro_batches', 1)})")
         self.steps_changed = [list(c) for c in side.get("steps_changed", [])]
         if side.get("fingerprint") != fingerprint(self.recipe):
             old = self._planned_steps(side)
@@ -148,6 +209,8 @@ class Trainer:
                 raise ConfigError(f"{self.run_dir}: train.steps={self.tr['steps']} is not past its last "
                                   f"checkpoint (step {side['step']})")
             self.steps_changed.append([int(side["step"]), int(old), int(self.tr["steps"])])
+
+    def _load_tensors(self, side: dict[str, Any], t: dict[str, torch.Tensor]) -> None:
         for name, net in self.task.nets.items():
             pre = f"model.{name}."
             net.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
@@ -155,9 +218,6 @@ class Trainer:
             self.ema[k].copy_(t[f"ema.{k}"])
         self.opt.load_state_tensors({k[6:]: v for k, v in t.items() if k.startswith("optim.")},
                                     side["opt_t"], side.get("version", 1))
-        self.step = int(side["step"])
-        self.elapsed = float(side.get("elapsed_s", 0.0))
-        return True
 
     def _planned_steps(self, side: dict[str, Any]) -> int | None:
         """The run length the checkpoint was trained for: its sidecar's, else the run's recipe.json
@@ -183,20 +243,32 @@ class Trainer:
                 self.ema[k].mul_(d).add_(p.detach().float(), alpha=1 - d)
 
     def train_step(self) -> dict[str, float]:
-        """One optimiser step at self.step; returns the logged values."""
-        g = step_generator(self.tr["seed"], self.step)
+        """One optimiser step at self.step (this rank's micro-batches of the global batch, the
+        gradients averaged over them and over the ranks); returns the logged values (means over
+        the global batch)."""
         lr = lr_at(self.step, lr=self.tr["lr"], warmup=self.tr["warmup"], total=self.tr["steps"],
                    min_ratio=self.tr["min_lr_ratio"])
         t0 = time.perf_counter()
-        with self._autocast():
-            loss, logs = self.task.loss(g)
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"non-finite loss at step {self.step}: {logs}")
-        loss.backward()
+        rows, used = [], set()
+        for j, m in enumerate(self.mine):
+            g = step_generator(self.tr["seed"], self.step, m)
+            last = j == len(self.mine) - 1
+            with distributed.accumulating(self.model, last) if self.model else contextlib.nullcontext():
+                with self._autocast():
+                    loss, logs = self.model(g) if self.model else self.task.loss(g)
+                if self.shard == "fsdp":
+                    used |= distributed.graph_parameters(self.model, loss)
+                if distributed.agree(not bool(torch.isfinite(loss))):
+                    raise RuntimeError(f"non-finite loss at step {self.step}: {logs}")
+                (loss if len(self.mine) == 1 else loss / len(self.mine)).backward()
+            rows.append(logs)
+        logs = distributed.mean_logs(rows)
+        if self.shard == "fsdp":
+            distributed.drop_unused_grads(self.named, used)
         t1 = time.perf_counter()
         if self.tr["grad_clip"] > 0:
             gn = torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.tr["grad_clip"])
-            logs["grad_norm"] = float(gn)
+            logs["grad_norm"] = distributed.full_value(gn)
         self.opt.step(lr)
         self.opt.zero_grad()
         self._ema_update()
@@ -212,10 +284,12 @@ class Trainer:
         if list_checkpoints(rd) and not resume:
             raise ConfigError(f"{rd} already holds checkpoints: pass --resume to continue, or another --run-dir")
         resumed = self.restore() if resume else False
+        main = self.rank == 0  # the one rank that writes the log, plots and summary
         rd.mkdir(parents=True, exist_ok=True)
-        (rd / "recipe.json").write_text(json.dumps(self.recipe, indent=1, sort_keys=True))
         log_path = rd / "log.jsonl"
-        if log_path.exists():  # drop lines logged after the checkpoint we continue from
+        if main:
+            (rd / "recipe.json").write_text(json.dumps(self.recipe, indent=1, sort_keys=True))
+        if main and log_path.exists():  # drop lines logged after the checkpoint we continue from
             keep = [ln for ln in log_path.read_text().splitlines()
                     if ln.strip() and json.loads(ln)["step"] < self.step]
             atomic_write_bytes(log_path, "".join(ln + "\n" for ln in keep).encode())
@@ -232,7 +306,7 @@ class Trainer:
         last_ckpt = time.monotonic()
         step_times: list[float] = []
         logs: dict[str, float] = {}
-        with open(log_path, "a") as log_f:
+        with open(log_path, "a") if main else open(os.devnull, "w") as log_f:
             while self.step < stop:
                 t0 = time.perf_counter()
                 logs = self.train_step()
@@ -249,16 +323,18 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{logs['loss']:.4f}", s_per_step=f"{dt:.2f}")
                 due = (self.step % self.tr["checkpoint_every"] == 0
-                       or time.monotonic() - last_ckpt >= 60 * self.tr["checkpoint_minutes"]
+                       or distributed.agree(time.monotonic() - last_ckpt >= 60 * self.tr["checkpoint_minutes"])
                        or self.step == stop)
                 if due:
                     self.save_checkpoint()
                     last_ckpt = time.monotonic()
-                    if self.step % max(1, self.tr["plot_every"]) == 0 or self.step == stop:
+                    if main and (self.step % max(1, self.tr["plot_every"]) == 0 or self.step == stop):
                         log_f.flush()
                         plot_losses(rd)
         if bar is not None:
             bar.close()
+        if not main:
+            return {"run_dir": str(rd), "rank": self.rank, "step": self.step}
         plots = plot_losses(rd)
         rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()]
         first = [r["loss"] for r in rows[: max(1, min(10, len(rows) // 5))]]
@@ -272,6 +348,8 @@ class Trainer:
                    "params": {n: sum(p.numel() for p in self.task.nets[n].parameters())
                               for n in self.task.trainable},
                    "plots": [str(p) for p in plots]}
+        if self.shard:
+            summary.update(world=distributed.world(), shard=self.shard, micro_batches=self.micro)
         if self.steps_changed:
             summary["steps_changed"] = self.steps_changed
         if self.step >= total:

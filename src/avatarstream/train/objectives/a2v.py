@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from avatarstream.cache.reference import ReferenceCache
 from avatarstream.errors import ConfigError
 from avatarstream.models.dit import VideoRefDiT
 from avatarstream.models.transformer import DiTCondition
@@ -38,6 +39,7 @@ class A2VTask(LatentTask):
     """
 
     stage = "a2v"
+    block_units = True  # a same-calls loss: `encode_reference` below
 
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         c = recipe["a2v"]
@@ -137,12 +139,25 @@ class A2VTask(LatentTask):
         cache = None
         if ref:
             t_ref = torch.full((b["ref_lat"].shape[2],), float(c["ref_t_position"]))
-            cache = dit.encode_reference(b["ref_lat"], b["ref_valid"], t_ref)
+            cache = self.encode_reference(dit, b["ref_lat"], b["ref_valid"], t_ref)
         tok = b["audio"] if audio else torch.zeros_like(b["audio"])
         cond = DiTCondition(motion=b["ms"], audio=tok, text=b["text"], text_mask=b["text_mask"],
                             t_pos=torch.arange(T, dtype=torch.float32, device=self.device), guidance=guidance,
                             anchor=b["anchor"])
         return dit(b["xs"], b["sigma"], cond, cache), cache
+
+    def encode_reference(self, dit: VideoRefDiT, lat: torch.Tensor, valid: torch.Tensor,
+                         t_ref: torch.Tensor) -> ReferenceCache:
+        """`dit.encode_reference`. Where every element's reference is dropped it runs no block (no
+        frame is left), which under per-block FSDP2 (`same_calls`) would leave this rank with fewer
+        block calls, so fewer collectives, than another rank: there the pass also runs on the first
+        frame, and its outputs go to `masked`, which the wrapper adds to the loss times 0 (the
+        loss, the attention and every gradient stay those of one process, bit for bit)."""
+        cache = dit.encode_reference(lat, valid, t_ref)
+        if self.same_calls and cache.num_frames == 0:
+            unused = dit.encode_reference(lat[:, :, :1], None, t_ref[:1])
+            self.masked += [*unused.k, *unused.v, unused.motion]
+        return cache
 
     def flow_losses(self, b: dict[str, Any], v: torch.Tensor, mv: torch.Tensor, v_target: torch.Tensor,
                     mv_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

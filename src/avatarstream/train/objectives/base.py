@@ -41,6 +41,13 @@ class Task:
 
     stage = ""
     trainable: tuple[str, ...] = ()
+    # FSDP2 per-block units (train/distributed.py): a task whose loss can call every DiT block alike
+    # on every rank, whatever the data, says so (`block_units`); the wrapper then sets `same_calls`.
+    # The outputs of block calls such a loss makes only for that go into `masked`: the wrapper adds
+    # them to the loss times 0, and the unused-parameter detection does not follow them.
+    block_units = False
+    same_calls = False
+    masked: list[torch.Tensor]  # set by the wrapper before each loss
 
     def __init__(self, recipe: dict[str, Any], device: torch.device) -> None:
         self.recipe, self.device = recipe, device

@@ -1,0 +1,173 @@
+"""Probe and normalise one input video, and find its shot cuts.
+
+`normalise_video` decodes a user's file once with PyAV: every frame is resampled in time to 25 fps
+(output frame k shows the source frame whose timestamp is nearest to k / 25, as ffmpeg's `fps`
+filter does) and shrunk (swscale, area) so that its longer side is at most `max_side`; the audio is
+downmixed and resampled to 16 kHz mono (`media.audio.read_all`) and cut or padded to 640 samples a
+frame. While the frames go by, PySceneDetect's `ContentDetector` is fed each one (the API on frames
+we hand it, so the file is decoded once): its cut frames split the video into shots.
+
+The normalised frames are written to a lossless work file (libx264rgb at qp 0, a key frame every
+25 frames so that a shot can be read back by seeking), the audio to a 16-bit WAV beside it. Later
+stages read shots from those files, so no stage holds a whole video in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+
+from avatarstream.data.clip import FPS, SAMPLE_RATE, SPF
+from avatarstream.data.shards import read_pcm, write_pcm
+from avatarstream.errors import InputError
+from avatarstream.media.audio import read_all
+
+GOP = 25  # key-frame interval of the work file (frames): a seek lands at most a second early
+
+
+@dataclass(frozen=True)
+class NormalisedVideo:
+    """A normalised input: work files, frame count and size, and shots as [start, end) frame ranges."""
+
+    video: str
+    source: str
+    video_path: str
+    audio_path: str
+    frames: int
+    width: int
+    height: int
+    has_audio: bool
+    shots: list[tuple[int, int]]
+
+
+def output_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """(width, height) with the longer side at most `max_side`, both even, aspect kept."""
+    k = min(1.0, max_side / max(width, height))
+    return max(2, int(round(width * k / 2)) * 2), max(2, int(round(height * k / 2)) * 2)
+
+
+def frames_at_25(container: av.container.InputContainer, size: tuple[int, int]) -> Iterator[np.ndarray]:
+    """RGB frames [H, W, 3] uint8 at 25 fps: slot k gets the source frame nearest to k / 25 s
+    (the earlier one on a tie); the last source frame lasts one source frame interval."""
+    stream = container.streams.video[0]
+    rate = float(stream.average_rate or stream.guessed_rate or FPS)
+    t0: float | None = None
+    prev: np.ndarray | None = None
+    prev_t = 0.0
+    k = 0
+    for frame in container.decode(stream):
+        if frame.time is None:
+            continue
+        t0 = frame.time if t0 is None else t0
+        t = frame.time - t0
+        cur = frame.reformat(width=size[0], height=size[1], format="rgb24", interpolation="AREA").to_ndarray()
+        while k / FPS <= t:
+            slot = k / FPS
+            yield cur if prev is None or t - slot < slot - prev_t else prev
+            k += 1
+        prev, prev_t = cur, t
+    if prev is not None:
+        while k / FPS < prev_t + 1.0 / rate - 1e-9:
+            yield prev
+            k += 1
+
+
+class CutFinder:
+    """PySceneDetect's ContentDetector fed frame by frame; `cuts` are the first frames of new shots."""
+
+    def __init__(self, threshold: float, min_shot_frames: int) -> None:
+        from scenedetect import ContentDetector, FrameTimecode
+
+        self._timecode = FrameTimecode
+        self._detector = ContentDetector(threshold=threshold, min_scene_len=min_shot_frames)
+        self.cuts: list[int] = []
+        self._n = 0
+
+    def add(self, rgb: np.ndarray) -> None:
+        bgr = np.ascontiguousarray(rgb[..., ::-1])  # OpenCV order
+        found = self._detector.process_frame(self._timecode(self._n, fps=Fraction(FPS)), bgr)
+        self.cuts += [int(c.frame_num) for c in found]
+        self._n += 1
+
+    def shots(self) -> list[tuple[int, int]]:
+        """[start, end) ranges covering every frame added."""
+        if self._n:
+            self.cuts += [int(c.frame_num) for c in self._detector.post_process(self._timecode(self._n - 1, fps=Fraction(FPS)))]
+        edges = [0] + sorted({c for c in self.cuts if 0 < c < self._n}) + [self._n]
+        return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def _reason(e: BaseException) -> str:
+    return str(getattr(e, "strerror", None) or e).rstrip(".")
+
+
+def normalise_video(source: str, video: str, work: Path, max_side: int, cut_threshold: float,
+                    min_shot_frames: int) -> NormalisedVideo:
+    """Decode `source` once: write `work/VIDEO.mkv` (25 fps, longer side <= max_side, lossless) and
+    `work/VIDEO.wav` (16 kHz mono), and find the shot cuts. InputError if it holds no video."""
+    try:
+        container = av.open(source)
+    except (OSError, av.error.FFmpegError) as e:
+        raise InputError(f"{source}: not a readable video ({_reason(e)})") from e
+    with container:
+        if not container.streams.video:
+            raise InputError(f"{source}: no video stream")
+        s = container.streams.video[0]
+        size = output_size(s.codec_context.width, s.codec_context.height, max_side)
+        finder = CutFinder(cut_threshold, min_shot_frames)
+        vpath = work / f"{video}.mkv"
+        with av.open(str(vpath), "w", format="matroska") as out:
+            o = out.add_stream("libx264rgb", rate=FPS)
+            o.width, o.height = size
+            o.pix_fmt = "rgb24"
+            o.options = {"qp": "0", "preset": "ultrafast", "g": str(GOP)}
+            o.thread_count = 1
+            n = 0
+            try:
+                for f in frames_at_25(container, size):
+                    finder.add(f)
+                    for p in o.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                        out.mux(p)
+                    n += 1
+            except av.error.FFmpegError as e:
+                raise InputError(f"{source}: damaged video ({_reason(e)})") from e
+            for p in o.encode():
+                out.mux(p)
+    if n == 0:
+        raise InputError(f"{source}: no decodable video frame")
+    try:
+        audio, has_audio = read_all(source, SAMPLE_RATE), True
+    except InputError:
+        audio, has_audio = np.zeros(0, np.float32), False
+    audio = np.pad(audio[: n * SPF], (0, max(0, n * SPF - len(audio))))
+    apath = work / f"{video}.wav"
+    write_pcm(apath, audio)
+    return NormalisedVideo(video, source, str(vpath), str(apath), n, size[0], size[1], has_audio, finder.shots())
+
+
+def read_frames(path: str, start: int, end: int) -> np.ndarray:
+    """Frames [start, end) of a work file: [end - start, H, W, 3] uint8 (seeks to the key frame before)."""
+    out: list[np.ndarray] = []
+    with av.open(path) as c:
+        s = c.streams.video[0]
+        c.seek(int(round(start / FPS / s.time_base)), stream=s, backward=True)
+        for f in c.decode(s):
+            i = int(round(f.time * FPS))
+            if i >= end:
+                break
+            if i >= start:
+                out.append(f.to_ndarray(format="rgb24"))
+    if len(out) != end - start:
+        raise InputError(f"{path}: expected {end - start} frames from {start}, read {len(out)}")
+    return np.stack(out)
+
+
+def read_audio(path: str, start: int, end: int) -> np.ndarray:
+    """Samples of frames [start, end) of a work WAV: [(end - start) * 640] float32."""
+    audio, _ = read_pcm(path)
+    return audio[start * SPF:end * SPF]
