@@ -81,7 +81,9 @@ def test_real_configs_both_forms() -> None:
 def test_on_disk_form_gives_the_same_numbers(tmp_path: Path) -> None:
     """The fixture's weights renamed to diffusers' names and written as a VAE_LTX folder
     (config.json + diffusion_pytorch_model.safetensors) load through the same loader and give
-    the fixture's outputs bit for bit."""
+    the same numbers as the fixture's own weights loaded in memory, bit for bit, and the
+    fixture's outputs within its tolerance (1e-5: bit for bit on the AMD EPYC machine that
+    measured it; an Intel CPU's kernels sum in another order)."""
     fx = load_fixture(LTX)
     cfg = ltx_vae_config(fx.config)
     folder = tmp_path / "VAE_LTX"
@@ -92,9 +94,12 @@ def test_on_disk_form_gives_the_same_numbers(tmp_path: Path) -> None:
                 layers_per_block=list(cfg.layers_per_block))
     (folder / "config.json").write_text(json.dumps(conf))
     vae = load_ltx_vae(read_state(weights), json.loads((folder / "config.json").read_text()))
+    direct = load_ltx_vae(fx.weights, fx.config)
     with torch.no_grad():
-        assert torch.equal(vae.decode(fx.inputs["latents"][None])[0], fx.expected["decoded"])
-        assert torch.equal(vae.encode(fx.inputs["video"][None])[0], fx.expected["encoded_mode"])
+        for name, run, x in (("decoded", "decode", "latents"), ("encoded_mode", "encode", "video")):
+            got = getattr(vae, run)(fx.inputs[x][None])[0]
+            assert torch.equal(got, getattr(direct, run)(fx.inputs[x][None])[0]), name
+            assert (got - fx.expected[name]).abs().max() <= 1e-5, name
 
 
 @torch.no_grad()

@@ -322,3 +322,30 @@ def test_a_server_session_is_pushed_to_rtmp(tmp_path: Path, server: NginxRTMP) -
 
     _run(app, body, timeout=90)
     assert len(player.video_t) == 2 * config.fps and np.all(np.diff(player.video_t) > 0)
+
+
+def test_a_server_pushes_only_to_allowed_hosts(tmp_path: Path) -> None:
+    """`serve --rtmp-allow`: a session's rtmp_url naming a host off the list is a 400 before any
+    connection is tried (an API key holder cannot make the server connect anywhere)."""
+    import dataclasses
+
+    from serve.helpers import A, _app, _avatar, _run
+
+    from avatarstream.serve.app import CONFIG
+
+    app, _ = _app(tmp_path)
+    app[CONFIG] = dataclasses.replace(app[CONFIG], rtmp_allow=("*.ingest.example.com", "127.0.0.1"))
+
+    async def body(client):  # type: ignore[no-untyped-def]
+        avatar = await _avatar(client)
+        for url in ("rtmp://localhost:1935/live/KEY", "rtmp://evil.example.com/live/KEY",
+                    "rtmp://ingest.example.com.evil.net/live/KEY"):
+            r = await client.post("/v1/sessions", json={"avatar_id": avatar, "rtmp_url": url}, headers=A)
+            message = (await r.json())["error"]
+            assert r.status == 400 and "--rtmp-allow" in message and "KEY" not in message, message
+        # an allowed host goes on to the reachability check (nothing listens there: 400, not 201)
+        r = await client.post("/v1/sessions", json={"avatar_id": avatar, "rtmp_url": "rtmp://127.0.0.1:1/live/KEY"},
+                              headers=A)
+        assert r.status == 400 and "--rtmp-allow" not in (await r.json())["error"]
+
+    _run(app, body, timeout=60)

@@ -76,14 +76,15 @@ def test_parity_fixture_passes_through_the_cli() -> None:
 
 def test_padded_masked_input_equals_the_official_run() -> None:
     """Wan's own call (512-style padding plus mask, then trim) reproduced through our loader: 0.0
-    measured; the trimmed run encode-text uses is the same sum in another order (1.2e-6)."""
+    measured on the AMD EPYC machine that made the fixture, 2.4e-6 on an Intel Xeon (its kernels
+    sum in another order); the trimmed run encode-text uses differs by 1.2e-6."""
     fx = load_fixture(FIXTURE)
     model = load_umt5(fx.weights, fx.config, dtype=torch.float32)
     ids, mask = fx.inputs["ids"].long(), fx.inputs["mask"].long()
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     for row, n in enumerate(mask.sum(1).tolist()):
-        assert (out[row, :n] - fx.expected["context"][row, :n]).abs().max() <= 1e-6
+        assert (out[row, :n] - fx.expected["context"][row, :n]).abs().max() <= 1e-5
 
 
 def test_a_wrong_mapping_fails_the_fixture(tmp_path: Path) -> None:

@@ -80,6 +80,9 @@ class ServerConfig:
     # chunk length of every session and render, prefix overlap included; None: the model's own,
     # capped at LIVE_SECONDS_PER_CHUNK
     seconds_per_chunk: float | None = None
+    # hosts a session's `rtmp_url` may name (fnmatch patterns, e.g. "*.live-video.net"); the
+    # default "*" lets any API key holder make the server connect anywhere
+    rtmp_allow: tuple[str, ...] = ("*",)
 
 
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)

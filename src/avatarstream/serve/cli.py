@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default="serve-data",
                    help="folder for avatars (SQLite + tensors), renders and live session files")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY", help=KEYS_HELP)
+    p.add_argument("--rtmp-allow", default="*", metavar="HOSTS",
+                   help="comma-separated hosts (fnmatch patterns: *.example.com) a session's "
+                        "rtmp_url may push to; anything else is a 400 (default: * = any host; "
+                        "\"\" turns RTMP off)")
     p.add_argument("--idle-timeout", type=float, default=30.0,
                    help="end a session after this many seconds without speech or keep-alive")
     p.add_argument("--max-sessions", type=int, default=None,
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_sessions=args.max_sessions, playout_delay_s=args.playout_delay,
         piper_voice=args.piper_voice, batching=not args.no_batching,
         seconds_per_chunk=args.seconds_per_chunk,
+        rtmp_allow=tuple(h.strip().lower() for h in args.rtmp_allow.split(",") if h.strip()),
     )
     size = None if args.size is None else parse_size(args.size)
     if size is not None:  # checked before any weight is read: the multiple the model needs

@@ -12,8 +12,10 @@ a reason that says the limit.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import re
 import secrets
+from urllib.parse import urlsplit
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -69,15 +71,20 @@ async def _entry_json(request: web.Request) -> tuple[Entry, dict] | web.Response
     return body if isinstance(body, web.Response) else (entry, body)
 
 
-async def _rtmp_sink(url: object) -> RTMPSink | None | web.Response:
-    """The RTMP sink a session's `rtmp_url` asks for, its server checked reachable (off the event
-    loop); a 400 naming what is wrong with the URL."""
+async def _rtmp_sink(url: object, allow: tuple[str, ...]) -> RTMPSink | None | web.Response:
+    """The RTMP sink a session's `rtmp_url` asks for, its host on the server's allow-list
+    (`--rtmp-allow`) and its server checked reachable (off the event loop); a 400 naming what is
+    wrong with the URL."""
     if url is None:
         return None
     if not isinstance(url, str):
         return error(400, "rtmp_url must be a string such as rtmp://live.example.com/app/KEY")
     try:
-        sink = RTMPSink(url, wait_on_close=False)  # closed on the scheduler thread
+        sink = RTMPSink(url, wait_on_close=False)  # the scheme checked; closed on the scheduler thread
+        host = (urlsplit(url).hostname or "").lower()
+        if not any(fnmatch.fnmatchcase(host, pattern) for pattern in allow):
+            return error(400, f"this server does not push to {host!r} (--rtmp-allow: "
+                              f"{', '.join(allow) or 'none'})")
         await asyncio.to_thread(sink.reserve)
     except AvatarStreamError as e:
         return error(400, str(e))
@@ -100,7 +107,7 @@ async def post_session(request: web.Request, key: str) -> web.Response:
     manager = request.app[SESSIONS]
     frames = await asyncio.to_thread(store.frames, avatar)
     prepared = await asyncio.to_thread(store.prepared, avatar, manager.models)
-    rtmp = await _rtmp_sink(body.get("rtmp_url"))
+    rtmp = await _rtmp_sink(body.get("rtmp_url"), request.app[CONFIG].rtmp_allow)
     if isinstance(rtmp, web.Response):
         return rtmp
     try:
