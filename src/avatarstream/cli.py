@@ -157,6 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from avatarstream.hardware import check_device
     from avatarstream.media.audio import AudioReader
     from avatarstream.media.reference import load_reference
+    from avatarstream.parallel.run import launched_by_torchrun
     from avatarstream.provenance.credentials import credentials_for
     from avatarstream.publish.base import ending, generate_outputs
     from avatarstream.publish.file import check_writable
@@ -169,7 +170,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.model = resolve_model(args.model, causal=args.strategy == "causal" or args.workers is not None)
     out = Path(args.out)
     check_writable(out)
-    credentials = credentials_for(args.model, args.sign_cert, args.sign_key)  # a bad certificate: now
+    # a bad certificate: now. A torchrun rank first checks the world size (every rank must fail
+    # alike before the launcher tears the others down); the publishing one signs after the run.
+    credentials = None if launched_by_torchrun() else credentials_for(args.model, args.sign_cert, args.sign_key)
     spec_cfg = model_spec_for(args.model).pipeline()
     overrides = _overrides(spec_cfg, args)
     out_hw = (overrides["height"], overrides["width"]) if "height" in overrides else spec_cfg.out_hw
@@ -256,11 +259,12 @@ def _generate_here(args: argparse.Namespace, reference, scene, reader, sinks) ->
 
 
 def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path,
-                  credentials: ContentCredentials) -> int:
+                  credentials: ContentCredentials | None) -> int:
     """`generate --strategy causal --workers N`: timestep-forcing pipeline parallelism over
     N + 1 processes started here (parallel/tpp.py); the decode process writes the file."""
     from avatarstream.parallel.run import launched_by_torchrun
     from avatarstream.parallel.tpp import TPPJob, run_tpp
+    from avatarstream.provenance.credentials import credentials_for
     from avatarstream.publish.base import ending
     from avatarstream.publish.file import ReservedOutput
 
@@ -278,7 +282,10 @@ def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path,
     if result is None:  # a rank of a torchrun job that does not publish: it prints nothing
         return 0
     result.update(model=args.model, strategy="causal", out=str(out))
-    signed = outs[0].signed if outs else credentials.sign_in_place(out)  # torchrun: written in place
+    if outs:
+        signed = outs[0].signed
+    else:  # torchrun: written in place, signed here
+        signed = credentials_for(args.model, args.sign_cert, args.sign_key).sign_in_place(out)
     result["content_credentials"] = signed.as_dict()
     _print_summary(result)
     print(f"  {signed.note()}")
