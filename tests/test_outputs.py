@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import c2pa
 import numpy as np
 import pytest
 import torch
@@ -118,6 +119,8 @@ def test_sigint_after_frames_keeps_them_beside_the_old_output(media, old_output)
     assert f"frames written are kept in {partial} (playable); {old_output} is unchanged" in last
     assert probe(partial)["frames"] >= event["durable_frames"]
     assert files(old_output.parent) == sorted(["talk.mp4", partial.name])  # the lock is gone
+    with c2pa.Reader(str(partial)) as r:  # what was kept says it is AI-made, as a whole run's file
+        assert r.get_validation_state() == "Valid"
 
 
 def test_sigint_before_the_first_frame_leaves_the_old_output(media, old_output):

@@ -318,14 +318,18 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
                    "HLS playlist URL (.m3u8: the watermark only, HLS carries no manifest)")
     p.add_argument("--max-download-mb", type=float, default=2048.0,
                    help="refuse a URL's file larger than this (default 2048)")
+    p.add_argument("--header", "-H", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="send this header with a URL's requests (repeatable), e.g. a server "
+                   "render's 'Authorization: Bearer KEY'; sent only to the URL given")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object last")
     p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from avatarstream.provenance.verify import describe, exit_code, verify
+    from avatarstream.provenance.verify import describe, exit_code, parse_headers, verify
 
-    report = verify(args.target, max_download_bytes=round(args.max_download_mb * 2**20))
+    report = verify(args.target, max_download_bytes=round(args.max_download_mb * 2**20),
+                    headers=parse_headers(args.header))
     print("\n".join(describe(report)))
     if args.json:
         print(json.dumps(report))

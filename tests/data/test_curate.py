@@ -9,6 +9,10 @@ Identity threshold: drawn faces sit closer together in dlib's descriptor space t
 different avatars of these inputs are 0.48 apart, one avatar across scenes at most 0.16, the
 astronaut across camera moves 0.15), so the test curates at 0.4 instead of the default 0.5
 meant for real people; `test_identity_margins` checks that margin on the run's own descriptors.
+
+Scenes: shots are grouped by their background (test_curate_scenes.py), so the astronaut's pan
+(studio.mkv) and zoom out (phone.mp4), two camera moves over one photograph, are one scene and do
+not pair; person A in scene 11 (studio.mkv) and scene 13 (phone.mp4) does.
 """
 
 from __future__ import annotations
@@ -122,11 +126,39 @@ def test_identities_grouped_and_cross_scene_pairs(runs):
     for p in pairs:
         ref, tgt = entries[p["reference"]], entries[p["target"]]
         assert ref["identity"] == tgt["identity"] == p["identity"] and ref["scene"] != tgt["scene"]
-    a, astro = next(iter(person_of["A"])), next(iter(person_of["astro"]))
-    want = {(found[(0, 0)]["key"], found[(1, 1)]["key"]), (found[(0, 1)]["key"], found[(1, 0)]["key"])}
-    want |= {(t, r) for r, t in want}
-    assert {(p["reference"], p["target"]) for p in pairs} == want
-    assert {p["identity"] for p in pairs} == {a, astro}
+    a = next(iter(person_of["A"]))
+    want = {(found[(0, 0)]["key"], found[(1, 1)]["key"]), (found[(1, 1)]["key"], found[(0, 0)]["key"])}
+    assert {(p["reference"], p["target"]) for p in pairs} == want  # not the astronaut's: one photograph
+    assert {p["identity"] for p in pairs} == {a}
+
+
+def backgrounds() -> dict[tuple[int, int], str]:
+    """The background of each shot (input number, shot) whose frames are all background and
+    person: the far and rolled astronaut shots are left out (the camera shows black beyond the
+    photograph there, which is no background)."""
+    return {(v, k): (f"synth-{seg.scene}" if seg.kind == "synth" else "astro")
+            for v, name in enumerate(NAMES) for k, seg in enumerate(SEGMENTS[name]) if seg.move not in ("far", "roll")}
+
+
+def test_scenes_are_the_backgrounds(runs):
+    """One scene per background, across cuts and inputs, and the margin of the run's own
+    background descriptors (after the codecs and 30 -> 25 fps) around the scene threshold."""
+    _, out, _, _ = runs
+    found, truth = by_shot(out), backgrounds()
+    scene_of = {}
+    for shot, bg in truth.items():
+        scene_of.setdefault(bg, set()).add(found[shot]["scene"])
+    assert all(len(s) == 1 for s in scene_of.values()), scene_of
+    assert len({next(iter(s)) for s in scene_of.values()}) == len(scene_of)
+    assert found[(0, 0)]["scene"] == "scene-000" and found[(0, 0)]["shot_id"] == "v0000-studio-s0000"
+    shots = list(truth)
+    d = {(a, b): float(np.linalg.norm(np.subtract(found[a]["background"], found[b]["background"])))
+         for i, a in enumerate(shots) for b in shots[i + 1:]}
+    same = max(v for (a, b), v in d.items() if truth[a] == truth[b])
+    other = min(v for (a, b), v in d.items() if truth[a] != truth[b])
+    print(f"scene descriptor in the run: same background at most {same:.3f}, different at least {other:.3f}")
+    limit = CurateConfig().scene_threshold
+    assert same < limit - 0.2 and other > limit + 0.3, (same, other)
 
 
 def test_identity_margins(runs):
@@ -147,7 +179,8 @@ def test_shards_hold_crops_audio_landmarks_and_motion(runs):
     assert len(reader) == sum(seg.verdict == "kept" for segs in SEGMENTS.values() for seg in segs)
     for rec in reader:
         e, ann = rec.entry, rec.annotations
-        assert isinstance(e["identity"], str) and isinstance(e["scene"], str)
+        assert isinstance(e["identity"], str) and e["scene"].startswith("scene-")
+        assert e["key"].startswith(e["shot_id"] + "-")
         n = e["frames"]
         assert rec.frames.shape == (n, 256, 256, 3) and rec.sample_rate == 16000 and len(rec.audio) == n * 640
         lm = np.array(ann["per_frame"]["landmarks"])
@@ -156,7 +189,7 @@ def test_shards_hold_crops_audio_landmarks_and_motion(runs):
         centre = lm.reshape(-1, 2).mean(0)
         assert 90 < centre[0] < 166 and 100 < centre[1] < 190, centre
         assert set(ann["head_motion"]) >= {"yaw_std", "roll_speed", "shift_speed", "scale_std"}
-        assert ann["identity"] == e["identity"] and ann["scene"] == e["scene"]
+        assert ann["identity"] == e["identity"] and ann["scene"] == e["scene"] and ann["shot_id"] == e["shot_id"]
 
 
 def test_head_motion_follows_the_camera(runs):

@@ -72,12 +72,13 @@ def test_torchrun_tpp_equals_single_process(job, nproc, extra, shares):
 
 
 def test_world_size_that_does_not_match_the_plan(job):
-    """--workers 2 needs 3 processes: every rank refuses with one line, nothing is written."""
+    """--workers 2 needs 3 processes: a rank refuses with one line, nothing is written. (The
+    first rank to exit makes torchrun SIGTERM the other, so the second line may never come.)"""
     out = job["dir"] / "bad.mp4"
     r = torchrun(2, *job["args"], "--workers", "2", "--out", str(out))
     assert r.returncode != 0
     line = "the launcher started 2 processes, the plan needs 3"
-    assert r.stderr.count(line) == 2, r.stderr[-3000:]  # one per rank
+    assert 1 <= r.stderr.count(line) <= 2, r.stderr[-3000:]  # at most one per rank
     frames = [ln for ln in r.stderr.splitlines() if ln.lstrip().startswith("File ")]
     assert not any("avatarstream/" in ln for ln in frames)  # torchrun's traceback only, not ours
     assert not out.exists()

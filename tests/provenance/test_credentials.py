@@ -198,3 +198,25 @@ def test_the_manifest_names_a_model_never_its_path():
     assert model_label("liveavatar:/home/me/ckpt/LiveAvatar,context=/home/me/c.st,fp8") == \
         "liveavatar:LiveAvatar"
     assert model_label("flashhead-lite:rel/SoulX-FlashHead-1_3B") == "flashhead-lite:SoulX-FlashHead-1_3B"
+
+
+def test_what_a_failed_run_keeps_is_signed_too(tmp_path):
+    """A run that fails after writing frames keeps them under the partial name (publish/file.py):
+    that file is AI-made as much as a finished one, and carries the same valid manifest."""
+    from avatarstream.media.frames import AudioChunk, VideoChunk
+    from avatarstream.publish.file import FragmentedMP4Sink
+
+    out = tmp_path / "talk.mp4"
+    sink = FragmentedMP4Sink(out, atomic=True, credentials=credentials_for("tiny-random"))
+    sink.open(64, 64, FPS, 16000)
+    frames = np.random.default_rng(0).integers(0, 255, (FPS, 64, 64, 3), dtype=np.uint8)
+    sink.write_video(VideoChunk(frames=frames, start_frame=0, fps=FPS))
+    sink.write_audio(AudioChunk(samples=np.zeros(16000, np.float32), start_sample=0, sample_rate=16000))
+    kept = sink.keep()  # the run failed here
+    assert kept is not None and not out.exists()
+    (partial,) = tmp_path.glob("talk.partial-*.mp4")
+    assert sink.signed is not None and sink.signed.signed
+    state, m, _ = manifest(partial)
+    assert state == "Valid" and m["title"] == "talk.mp4"
+    assert assertion(m, "c2pa.actions.v2")["actions"][0]["digitalSourceType"] == TRAINED_ALGORITHMIC_MEDIA
+    assert decoded(partial)[0].shape[0] == FPS

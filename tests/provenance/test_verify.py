@@ -38,6 +38,20 @@ def clips(tmp_path_factory) -> dict[str, Path]:
     return {p.stem: p for p in d.iterdir()}
 
 
+def marked_hls(folder: Path, seed: int) -> None:
+    """Two seconds of watermarked noise as an HLS stream (MPEG-TS segments) in `folder`."""
+    from avatarstream.provenance.watermark import embed
+
+    sink = HLSSink(folder, segment_seconds=1.0)
+    sink.open(128, 128, FPS, SR)
+    rng = np.random.default_rng(seed)
+    for k in range(2):
+        frames = embed(rng.integers(0, 255, (FPS, 128, 128, 3), dtype=np.uint8), k * FPS)
+        sink.write_video(VideoChunk(frames=frames, start_frame=k * FPS, fps=FPS))
+        sink.write_audio(AudioChunk(samples=speechlike(1.0), start_sample=k * SR, sample_rate=SR))
+    sink.close()
+
+
 @pytest.fixture(scope="module")
 def http_root(tmp_path_factory) -> Iterator[tuple[Path, str]]:
     """A real HTTP server on a loopback port serving a folder."""
@@ -100,16 +114,7 @@ def test_urls_file_and_hls(clips, http_root):
     with pytest.raises(InputError, match="cannot download"):
         verify(f"{url}/missing.mp4")
 
-    from avatarstream.provenance.watermark import embed
-
-    sink = HLSSink(root / "live", segment_seconds=1.0)
-    sink.open(128, 128, FPS, SR)
-    rng = np.random.default_rng(1)
-    for k in range(2):
-        frames = embed(rng.integers(0, 255, (FPS, 128, 128, 3), dtype=np.uint8), k * FPS)
-        sink.write_video(VideoChunk(frames=frames, start_frame=k * FPS, fps=FPS))
-        sink.write_audio(AudioChunk(samples=speechlike(1.0), start_sample=k * SR, sample_rate=SR))
-    sink.close()
+    marked_hls(root / "live", seed=1)
     hls = verify(f"{url}/live/index.m3u8")
     assert not hls["content_credentials"]["present"] and "HLS" in hls["content_credentials"]["error"]
     assert hls["watermark"]["frames"] == 2 * FPS and hls["marked_by"] == ["watermark"]
@@ -135,3 +140,45 @@ def test_server_render_verifies_as_ai_generated(tmp_path):
     cc = report["content_credentials"]
     assert report["ai_generated"] and cc["valid"] and cc["model"] == "tiny-random"
     assert cc["digital_source_type"].endswith("/trainedAlgorithmicMedia")
+
+
+class _KeyedHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves its folder only to requests with the bearer key (a render's or session's URL)."""
+
+    def send_head(self):  # type: ignore[no-untyped-def]
+        if self.headers.get("Authorization") != "Bearer s3cret":
+            self.send_error(401, "send the key")
+            return None
+        return super().send_head()
+
+    def log_message(self, *a) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_a_url_behind_a_key_is_verified_with_header(clips, tmp_path):
+    """`verify URL --header 'Authorization: Bearer KEY'`: the header goes with the download of a
+    file and with FFmpeg's requests of an HLS playlist and its segments; without it, one clear
+    error (exit 2); a malformed header is one clear error too."""
+    (tmp_path / "signed.mp4").write_bytes(clips["signed"].read_bytes())
+    marked_hls(tmp_path / "live", seed=2)
+    handler = functools.partial(_KeyedHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        key = ["--header", "Authorization: Bearer s3cret"]
+        r = run_cli("verify", f"{url}/signed.mp4", *key, "--json")
+        assert r.returncode == EXIT_MARKED, r.stderr
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        assert report["content_credentials"]["ai_generated"]
+        hls = verify(f"{url}/live/index.m3u8", headers={"Authorization": "Bearer s3cret"})
+        assert hls["watermark"]["frames"] == 2 * FPS and hls["marked_by"] == ["watermark"]
+        r = run_cli("verify", f"{url}/signed.mp4")
+        assert r.returncode == 2 and "HTTP 401" in r.stderr and "--header" in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1
+        with pytest.raises(InputError, match="401|cannot read"):
+            verify(f"{url}/live/index.m3u8")
+        r = run_cli("verify", f"{url}/signed.mp4", "--header", "Authorization Bearer s3cret")
+        assert r.returncode == 2 and "'Name: value'" in r.stderr and "s3cret" not in r.stderr
+    finally:
+        server.shutdown()

@@ -165,6 +165,33 @@ def test_stream_plays_back_whole_in_sync_and_paced(server: NginxRTMP) -> None:
     assert abs(av_offset_ms(p)) <= MAX_AV_OFFSET_MS, (p.flashes(), p.beeps())
 
 
+def test_a_generator_far_ahead_is_held_to_max_ahead_and_loses_nothing(server: NginxRTMP) -> None:
+    """`max_ahead_s` (generate --rtmp): a generator much faster than real time waits in write_*
+    so that what waits to be sent stays within max_ahead_s (+ one chunk) however long it runs:
+    bounded memory, and every frame still reaches the viewer, in order."""
+    url = server.url("ahead")
+    player = Player(url)
+    server.wait_players(1)
+    sink = RTMPSink(url, max_ahead_s=1.0)
+    sink.reserve()
+    sink.open(SIZE, SIZE, FPS, RATE)
+    backlog = []
+    t0 = time.monotonic()
+    for start in range(0, 6 * FPS, FPS // 5):  # 6 s in 0.2 s chunks, as fast as they can go
+        video, audio = flash_beep(start, FPS // 5)
+        sink.write_video(video)
+        sink.write_audio(audio)
+        backlog.append(sink._backlog_s())
+    generated = time.monotonic() - t0
+    sink.close()
+    p = player.result()
+    assert max(backlog) <= 1.0 + 0.2 + 0.3, max(backlog)  # max_ahead + one chunk + a busy CPU's lag
+    assert generated >= 6.0 - 1.0 - 0.2 - 0.3, generated  # held back to the stream's pace
+    assert sink.stats()["frames_sent"] == 150 and sink.stats()["frames_dropped"] == 0
+    assert len(p.video_t) == 150 and np.allclose(np.diff(p.video_t), 1 / FPS, atol=1e-3)
+    assert abs(av_offset_ms(p)) <= MAX_AV_OFFSET_MS
+
+
 def test_server_restart_mid_stream_is_survived(server: NginxRTMP) -> None:
     url = server.url("restart")
     first = Player(url)

@@ -273,3 +273,45 @@ def test_a_full_disk_is_answered_507(tmp_path, monkeypatch):
 
     _run(app, body)
     assert not [p for p in (tmp_path / "data" / "avatars").iterdir()]  # nothing half-written
+
+
+def test_a_stalled_or_trickling_body_is_cut_with_408_and_frees_its_upload_slot(tmp_path):
+    """A client that sends the headers and part of the body, then nothing (or a byte now and
+    then), holds the only upload slot: it gets 408 and its connection closed after
+    body_idle_seconds, and the upload waiting behind it goes through."""
+    app, _ = _app(tmp_path, max_parallel_uploads=1, body_idle_seconds=0.5)
+
+    async def stalled(client, trickle: bool) -> tuple[bytes, float]:  # type: ignore[no-untyped-def]
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/avatars HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                     b"Content-Type: image/png\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100)
+        await writer.drain()
+        t0 = time.monotonic()
+        answer = b""
+        while b"}" not in answer and time.monotonic() - t0 < 30:
+            try:
+                part = await asyncio.wait_for(reader.read(4096), 0.3)
+            except TimeoutError:
+                if trickle:  # never idle for 0.5 s, but ~3 bytes/s is far under the rate
+                    writer.write(b"x")
+                    await writer.drain()
+                continue
+            if not part:
+                break
+            answer += part
+        writer.close()
+        return answer, time.monotonic() - t0
+
+    async def body(client):  # type: ignore[no-untyped-def]
+        for trickle in (False, True):
+            staller = asyncio.create_task(stalled(client, trickle))
+            await asyncio.sleep(0.1)  # it holds the slot now
+            t0 = time.monotonic()
+            avatar = await _avatar(client)  # waits for the slot, then goes through
+            waited = time.monotonic() - t0
+            answer, cut_after = await staller
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"Connection: close" in answer and b"stalled" in answer and avatar
+            assert 0.4 <= cut_after < 10 and waited < 20
+
+    _run(app, body)

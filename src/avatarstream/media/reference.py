@@ -90,13 +90,27 @@ def target_size(size: int | tuple[int, int]) -> tuple[int, int]:
     return hw
 
 
-def _upright(frame: av.VideoFrame) -> np.ndarray:
-    """[H, W, 3] uint8 RGB with the stream's display rotation applied."""
-    rgb = frame.to_ndarray(format="rgb24")
-    rotation = int(round(getattr(frame, "rotation", 0) or 0)) % 360
-    if rotation in (90, 180, 270):
-        rgb = np.rot90(rgb, k=rotation // 90)  # rotation is counter-clockwise in degrees
-    return rgb
+def quarter_turns(frame: av.VideoFrame) -> int:
+    """Counter-clockwise quarter turns (0-3) that stand `frame` upright: its display rotation
+    (a phone video's display matrix, a JPEG's EXIF orientation) to the nearest 90 degrees."""
+    return round(float(frame.rotation or 0) / 90) % 4
+
+
+def upright(frame: av.VideoFrame, size: tuple[int, int] | None = None,
+            interpolation: str | None = None) -> np.ndarray:
+    """[H, W, 3] uint8 RGB of `frame` as a viewer sees it (its display rotation applied).
+
+    `size`: (width, height) of the upright picture; the frame is resized to it first by swscale
+    (`interpolation`, e.g. "AREA"), in its stored orientation (width and height swapped for a
+    quarter turn), then turned.
+    """
+    k = quarter_turns(frame)
+    if size is None:
+        rgb = frame.to_ndarray(format="rgb24")
+    else:
+        w, h = size if k % 2 == 0 else size[::-1]
+        rgb = frame.reformat(width=w, height=h, format="rgb24", interpolation=interpolation).to_ndarray()
+    return np.ascontiguousarray(np.rot90(rgb, k)) if k else rgb
 
 
 def usable_frame_count(n: int) -> int:
@@ -148,7 +162,7 @@ def load_reference(path: str | Path, *, size: int | tuple[int, int], max_frames:
             for frame in container.decode(stream):
                 if frame.width * frame.height > max_pixels:  # the decoder's limit has slack
                     raise too_many_pixels(f"{what} {p}", frame.width, frame.height, max_pixels)
-                rgb = _upright(frame)
+                rgb = upright(frame)
                 source_size = (rgb.shape[1], rgb.shape[0])
                 frames.append(fit_resize(rgb, height, width))
                 if len(frames) >= want:

@@ -36,6 +36,7 @@ The processes themselves (who loads what, the CLI's spawn and torchrun's `env://
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -110,11 +111,32 @@ def wait_for(start: Callable[[], Any], rank: int, what: str, timeout_s: float) -
     """Start an async transfer (`start()`: a `dist.isend`/`irecv`) and wait for it at most
     `timeout_s`. A transport error (gloo: the peer's connection closed, reported at once, when
     the transfer starts or while it is waited for) or the deadline (NCCL, or a peer that hangs)
-    -> RankFailure naming `what`. (gloo's point-to-point work completes only inside `wait` and
-    cannot be waited for again after a timeout, so this is one timed wait, not a polling loop; a
-    SIGTERM that arrives meanwhile is handled when it returns.)"""
+    -> RankFailure naming `what`. gloo's point-to-point work completes only inside `wait` and
+    cannot be waited for again after a timeout, so it is one timed wait, made (gloo) on a thread
+    of its own: the main thread waits for that thread in short steps, so a SIGTERM from the
+    launcher is handled at once (its RankFailure raised here) even while the transfer is stuck in
+    C++. (NCCL's wait orders the calling thread's CUDA streams: it stays on this thread.)"""
+    outcome: list[BaseException] = []
+    done = threading.Event()
+
+    def wait(work: Any) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            outcome.append(e)
+        finally:
+            done.set()
+
     try:
-        start().wait(timeout=timedelta(seconds=timeout_s))
+        work = start()
+        if dist.get_backend() != "gloo":  # NCCL: its wait orders CUDA streams of this thread
+            work.wait(timeout=timedelta(seconds=timeout_s))
+            return
+        threading.Thread(target=wait, args=(work,), name=f"avatarstream-wait-{what}", daemon=True).start()
+        while not done.wait(0.2):  # signal handlers run between the steps
+            pass
+        if outcome:
+            raise outcome[0]
     except RuntimeError as e:
         msg = str(e)
         if "timed out" in msg.lower() or "timeout" in msg.lower():

@@ -13,7 +13,10 @@ Two independent signals are read:
 
 A URL is either an HLS playlist (`.m3u8`, or served as an mpegurl: PyAV reads it for the
 watermark; HLS segments carry no manifest) or a file, downloaded into a temporary file of at most
-`max_download_bytes` and then read as a file. A local `.m3u8` is read as a stream too.
+`max_download_bytes` and then read as a file. A local `.m3u8` is read as a stream too. `headers`
+(`verify --header 'Authorization: Bearer KEY'`, for a server's render or session stream) go with
+the URL's requests: the download (not to another host it redirects to) or FFmpeg's requests of
+the playlist and its segments.
 
 The report is a dict (the CLI prints `describe(report)` and, with --json, the dict as JSON);
 `EXIT_MARKED` (0) when either signal marks the file, `EXIT_NOT_MARKED` (1) when neither does; a
@@ -103,11 +106,26 @@ def _chains_to_local_ca(path: Path) -> bool:
         return False
 
 
-def read_watermark(source: str) -> dict:
-    """The watermark detector's result for a file path or a stream URL, as a dict."""
+def read_watermark(source: str, headers: dict[str, str] | None = None) -> dict:
+    """The watermark detector's result for a file path or a stream URL (sent with `headers`), as
+    a dict."""
     from avatarstream.provenance.watermark import detect_video
 
-    return detect_video(source).to_json()
+    return detect_video(source, headers=headers).to_json()
+
+
+def parse_headers(lines: list[str]) -> dict[str, str]:
+    """`["Name: value", ...]` (curl's -H form) -> {name: value}; InputError for a line that is not
+    one header."""
+    headers = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name.strip() or any(c in line for c in "\r\n") or " " in name.strip():
+            shown = line.replace(":", " ").split()[0] if line.strip() else ""  # never the value: a key
+            raise InputError(f"--header {shown!r}...: give one header as 'Name: value', "
+                             "e.g. 'Authorization: Bearer KEY'")
+        headers[name.strip()] = value.strip()
+    return headers
 
 
 def _is_url(target: str) -> bool:
@@ -120,7 +138,8 @@ def _is_playlist(url: str, content_type: str) -> bool:
 
 
 @contextlib.contextmanager
-def _opened(target: str, max_download_bytes: int) -> Iterator[tuple[Path | None, str]]:
+def _opened(target: str, max_download_bytes: int,
+            headers: dict[str, str]) -> Iterator[tuple[Path | None, str]]:
     """(local file or None for a stream, what the watermark detector reads) for `target`."""
     if not _is_url(target):
         path = Path(target)
@@ -131,7 +150,13 @@ def _opened(target: str, max_download_bytes: int) -> Iterator[tuple[Path | None,
         yield path, str(path)
         return
     try:
-        response = urllib.request.urlopen(target, timeout=30)  # noqa: S310 - http(s) only, checked
+        request = urllib.request.Request(target, headers=headers)
+        opener = urllib.request.build_opener(_HeadersStayOnHost(headers))
+        response = opener.open(request, timeout=30)  # http(s) only, checked
+    except urllib.error.HTTPError as e:
+        hint = (" (a key-protected URL, such as a server's render, needs --header "
+                "'Authorization: Bearer KEY')" if e.code in (401, 403) and not headers else "")
+        raise InputError(f"cannot download {target}: HTTP {e.code} {e.reason}{hint}") from e
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise InputError(f"cannot download {target}: {getattr(e, 'reason', None) or e}") from e
     with response:
@@ -145,6 +170,20 @@ def _opened(target: str, max_download_bytes: int) -> Iterator[tuple[Path | None,
             yield path, str(path)
 
 
+class _HeadersStayOnHost(urllib.request.HTTPRedirectHandler):
+    """A redirect to another host does not take the user's headers (a bearer key) with it."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.names = list(headers)
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlparse(newurl).netloc != urllib.parse.urlparse(req.full_url).netloc:
+            for name in self.names:
+                new.remove_header(name.capitalize())
+        return new
+
+
 def _download(response: object, path: Path, url: str, limit: int) -> None:
     size = 0
     with open(path, "wb") as f:
@@ -156,15 +195,18 @@ def _download(response: object, path: Path, url: str, limit: int) -> None:
             f.write(chunk)
 
 
-def verify(target: str, *, max_download_bytes: int = MAX_DOWNLOAD_BYTES) -> dict:
-    """Both signals for a file or URL (module doc)."""
-    with _opened(target, max_download_bytes) as (path, source):
+def verify(target: str, *, max_download_bytes: int = MAX_DOWNLOAD_BYTES,
+           headers: dict[str, str] | None = None) -> dict:
+    """Both signals for a file or URL (module doc); `headers` go with every request of a URL
+    (a server's render: `{"Authorization": "Bearer KEY"}`), its HLS segments included."""
+    headers = headers or {}
+    with _opened(target, max_download_bytes, headers) as (path, source):
         if path is None or path.suffix.lower() == ".m3u8":
             credentials = {"present": False, "valid": False, "trusted": False, "ai_generated": False,
                            "error": "an HLS stream carries no content credentials (C2PA covers files)"}
         else:
             credentials = read_credentials(path)
-        watermark = read_watermark(source)
+        watermark = read_watermark(source, headers if path is None else None)
     by = [name for name, marked in (("content_credentials", credentials["ai_generated"]),
                                     ("watermark", bool(watermark.get("detected")))) if marked]
     return {"target": target, "ai_generated": bool(by), "marked_by": by,

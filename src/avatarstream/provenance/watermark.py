@@ -270,8 +270,10 @@ def detect(frames: np.ndarray) -> WatermarkResult:
     return detect_luma(total / len(x), len(x))
 
 
-def detect_video(path_or_url: str, max_frames: int = 250) -> WatermarkResult:
-    """Decode up to `max_frames` frames of a video file or URL (PyAV) and detect the mark."""
+def detect_video(path_or_url: str, max_frames: int = 250,
+                 headers: dict[str, str] | None = None) -> WatermarkResult:
+    """Decode up to `max_frames` frames of a video file or URL (PyAV) and detect the mark;
+    `headers` go with a URL's HTTP requests (FFmpeg's, an HLS stream's segments included)."""
     import av
 
     if max_frames < 1:
@@ -279,7 +281,8 @@ def detect_video(path_or_url: str, max_frames: int = 250) -> WatermarkResult:
     luma: np.ndarray | None = None
     n = 0
     try:
-        with av.open(str(path_or_url)) as container:
+        options = {"headers": "".join(f"{k}: {v}\r\n" for k, v in headers.items())} if headers else {}
+        with av.open(str(path_or_url), options=options) as container:
             if not container.streams.video:
                 raise InputError(f"{path_or_url}: has no video stream")
             for frame in container.decode(video=0):

@@ -110,7 +110,7 @@ def generate_outputs(out: str | Path, hls: str | Path | None = None, *,
     if hls:
         sinks.append(HLSSink(hls, atomic=True))
     if rtmp:
-        sinks.append(RTMPSink(rtmp))
+        sinks.append(RTMPSink(rtmp, max_ahead_s=8.0))  # the run keeps <= 8 s ahead of the stream
     for i, sink in enumerate(sinks):
         try:
             sink.reserve()

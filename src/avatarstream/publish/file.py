@@ -33,7 +33,9 @@ Content credentials
 Given `credentials` (provenance/credentials.py), `close` signs the complete file before it takes
 its final name: a signed copy is written beside it and renamed over it (the partial in atomic
 mode, then renamed over `path` as before; the file itself in place). A signing failure leaves the
-complete unsigned file, and `signed` says what happened.
+complete unsigned file, and `signed` says what happened. What `keep` keeps of a failed or
+interrupted run is AI-made too: it is signed the same way when it was finished whole (not after a
+write error such as a full disk, where a signed copy could not be written anyway).
 
 Write errors
 ------------
@@ -320,11 +322,15 @@ class FragmentedMP4Sink(EncodingSink):
         ends at its last whole fragment) and, in atomic mode, leave it under its partial name when
         it has frames (returned), else delete it. In place: kept at `path` when it has frames."""
         wrote = self._file is not None
+        whole = False  # finished without a write error: a file that can be signed
         if self._container is not None:
             try:
                 super().close()
+                whole = True
             except OutputError as e:
                 log.debug("finishing the kept %s: %s", self.writing, e)
+        if whole and self.credentials is not None and self.durable_frames > 0:
+            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
         if self._target is None:
             if wrote and self.durable_frames <= 0:
                 self.path.unlink(missing_ok=True)
@@ -374,6 +380,8 @@ class ReservedOutput:
 
     def keep(self) -> Kept | None:
         self.durable_frames = decodable_frames(self.writing)
+        if self.credentials is not None and self.durable_frames > 0:
+            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
         return self._target.keep(self.durable_frames)
 
     def abort(self) -> None:

@@ -16,6 +16,15 @@ gets the stream at real-time pace even when generation runs ahead (the backlog w
 A chunk that arrives after its due time (generation slower than real time) moves the anchor later,
 so the stream pauses and continues at real time instead of bursting.
 
+How far ahead generation may run: with `max_ahead_s` (what `generate --rtmp` uses), `write_*`
+waits while the chunk would start more than `max_ahead_s` past the stream's current media time,
+so the encoded backlog, and the memory it holds, stays bounded however long the run and however
+fast the GPU (the run then takes about its media length, as the stream does anyway). The wait is on
+the media clock only, never on the network: a server that stops answering does not hold it longer
+(its packets go late and are dropped). Without it (`None`, a live session's sinks: they are written
+on the scheduler thread, which must never wait, and a session's speech is bounded by its limits) the
+backlog grows with how far generation runs ahead.
+
 Dropping
 --------
 What cannot be sent in time is dropped and counted (`stats()`), never queued without limit:
@@ -146,7 +155,8 @@ class _Queued:
 class RTMPSink:
     """Publish H.264 + AAC live to `url` (rtmp://host[:port]/app/key, rtmps://...); see the module
     doc. `durable_frames` is the number of video frames sent to the server; `stats()` has the
-    counters. `write_*` are called from one thread at a time and never block. `wait_on_close`
+    counters. `write_*` are called from one thread at a time and never block on the network (with
+    `max_ahead_s` they wait on the media clock: module doc). `wait_on_close`
     False: `close` returns at once and the sink's thread sends the rest on its own (a live
     session's sinks are closed on the scheduler thread, which must not wait for a network)."""
 
@@ -154,7 +164,7 @@ class RTMPSink:
                  max_queue_s: float = 4.0, max_late_s: float = 2.0,
                  backoff_s: tuple[float, float] = (0.5, 8.0), connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 2.0, fifo_packets: int = 64, close_timeout_s: float = 10.0,
-                 wait_on_close: bool = True) -> None:
+                 wait_on_close: bool = True, max_ahead_s: float | None = None) -> None:
         self.url = url
         self.format = check_url(url)
         self.crf, self.preset = crf, preset
@@ -163,6 +173,10 @@ class RTMPSink:
         self.connect_timeout_s, self.close_timeout_s = connect_timeout_s, close_timeout_s
         self.io_timeout_s, self.fifo_packets = io_timeout_s, fifo_packets
         self.wait_on_close = wait_on_close
+        self.max_ahead_s = max_ahead_s
+        self._written_s = {VideoChunk: 0.0, AudioChunk: 0.0}  # media time written, per kind
+        self.ahead_waits_s = 0.0  # time write_* spent waiting for the media clock (max_ahead_s)
+        self._first_write: float | None = None
         self.durable_frames = 0
         self.frames_dropped = 0
         self.audio_dropped_s = 0.0
@@ -240,15 +254,33 @@ class RTMPSink:
         """Queue a chunk for the sending thread, or drop it when its kind's queue is full."""
         if self._thread is None:
             raise RuntimeError("RTMPSink.open() must be called before writing")
+        kind = type(chunk)
+        with self._cond:
+            self._hold_back(self._written_s[kind])
+            self._written_s[kind] += _Queued(chunk, 0.0).seconds
         item = _Queued(chunk, time.monotonic())
         with self._cond:
-            kind = type(chunk)
             if self._queued_s[kind] + item.seconds > self.max_queue_s and self._queued_s[kind] > 0:
                 self._count_drop(chunk, "the sender is behind (queue full)")
                 return
             self._queued_s[kind] += item.seconds
             self._inbox.append(item)
             self._cond.notify()
+
+    def _hold_back(self, start_s: float) -> None:
+        """With `max_ahead_s`, wait (holding no lock but the condition's) until media time
+        `start_s` is at most `max_ahead_s` ahead of the stream's clock, or the sink stops."""
+        if self.max_ahead_s is None:
+            return
+        self._first_write = self._first_write or time.monotonic()
+        while not self._stop:  # (the sender sets the anchor at its first chunk: the first write)
+            anchor = self._first_write if self._anchor is None else self._anchor
+            wait = anchor + start_s - self.max_ahead_s - time.monotonic()
+            if wait <= 0:
+                return
+            t0 = time.monotonic()
+            self._cond.wait(min(wait, 1.0))  # the anchor may move later: look again
+            self.ahead_waits_s += time.monotonic() - t0
 
     def close(self) -> None:
         """Send what is queued (at its pace), end the stream and disconnect. An OutputError when

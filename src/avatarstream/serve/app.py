@@ -38,7 +38,7 @@ from aiohttp import web
 from avatarstream.engine.config import ModelSet, PipelineConfig
 from avatarstream.errors import AvatarStreamError, InputError
 from avatarstream.serve.avatars import AvatarStore, UnsupportedUploadError
-from avatarstream.serve.limits import Limits, parse_json
+from avatarstream.serve.limits import MIN_BODY_RATE, Limits, parse_json
 from avatarstream.serve.openapi import openapi_schema
 from avatarstream.serve.render_records import RenderRecords
 from avatarstream.live.renders import RenderJob, RenderManager
@@ -115,13 +115,30 @@ def api_key(request: web.Request) -> str | None:
 
 async def read_body(request: web.Request, limit: int, what: str = "upload") -> bytes | web.Response:
     """The request body, or a 413 error past `limit` bytes (refused before it is read when the
-    request says its length)."""
+    request says its length), or a 408 error when it stalls: no byte for `body_idle_seconds`, or
+    an average under `MIN_BODY_RATE` after that (the connection is closed, so a stalled client
+    holds no upload slot)."""
     if request.content_length is not None and request.content_length > limit:
         return error(413, f"the {what} is {request.content_length} bytes; the limit is {limit} bytes")
+    idle = request.app[CONFIG].limits.body_idle_seconds
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     parts, size = [], 0
     try:
         while True:  # read() returns what has arrived so far: read to the end, bounded
-            part = await request.content.read(min(1 << 20, limit + 1 - size))
+            wait = min(idle, start + idle + size / MIN_BODY_RATE - loop.time())
+            try:
+                if wait <= 0:
+                    raise TimeoutError
+                part = await asyncio.wait_for(
+                    request.content.read(min(1 << 20, limit + 1 - size)), wait)
+            except TimeoutError:
+                log.info("a %s stalled after %d bytes in %.1f s: 408", what, size, loop.time() - start)
+                r = error(408, f"the {what} stalled: {size} bytes in {loop.time() - start:.1f} s "
+                               f"(send at least {MIN_BODY_RATE // 1024} KiB/s, with no pause "
+                               f"over {idle:g} s)")
+                r.force_close()
+                return r
             if not part:
                 break
             parts.append(part)

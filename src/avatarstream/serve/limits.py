@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from avatarstream.errors import ConfigError, InputError
 
 MiB = 1024 * 1024
+MIN_BODY_RATE = 16 * 1024  # bytes/s a request body must average once body_idle_seconds have passed
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Limits:
     max_text_chars: int = 2000  # text to speak (one say, one text render)
     max_packet_bytes: int = 65536  # one WebSocket audio packet (2 s of PCM16 mono 16 kHz)
     max_render_seconds: float = 600.0  # speech of one render
+    body_idle_seconds: float = 20.0  # a request body with no byte for this long: 408
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,6 +73,10 @@ LIMIT_OPTIONS = (
                 "the socket closes with 1009 and a reason"),
     LimitOption("max_render_seconds", "--max-render-seconds",
                 "seconds of speech in one render; longer: 400, decoding stops at the limit"),
+    LimitOption("body_idle_seconds", "--body-idle-seconds",
+                "seconds a request body may go without a byte arriving, and the most its average "
+                f"rate may lag {MIN_BODY_RATE // 1024} KiB/s; slower: 408 and its upload slot is "
+                "freed (a stalled client cannot hold one)"),
 )
 
 

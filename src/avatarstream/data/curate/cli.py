@@ -18,9 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=int, default=256, help="head crop size in pixels (the shards' frame size)")
     p.add_argument("--max-seconds", type=float, default=10.0, help="longest stretch: longer shots are read in equal windows of at most this")
     p.add_argument("--identity-threshold", type=float, default=0.5, help="dlib descriptor distance for one person")
+    p.add_argument("--scene-threshold", type=float, default=0.75,
+                   help="background descriptor distance for one scene (shots of one place never pair)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = CurateConfig(identity_threshold=args.identity_threshold,
+    cfg = CurateConfig(identity_threshold=args.identity_threshold, scene_threshold=args.scene_threshold,
                        stretch=StretchOptions(size=args.size, max_frames=max(1, int(round(args.max_seconds * 25)))))
     return curate(args.videos, args.out, default_model_dir(), cfg, workers=args.workers, ray_address=args.ray)

@@ -2,10 +2,15 @@
 
 `normalise_video` decodes a user's file once with PyAV: every frame is resampled in time to 25 fps
 (output frame k shows the source frame whose timestamp is nearest to k / 25, as ffmpeg's `fps`
-filter does) and shrunk (swscale, area) so that its longer side is at most `max_side`; the audio is
-downmixed and resampled to 16 kHz mono (`media.audio.read_all`) and cut or padded to 640 samples a
-frame. While the frames go by, PySceneDetect's `ContentDetector` is fed each one (the API on frames
-we hand it, so the file is decoded once): its cut frames split the video into shots.
+filter does), shrunk (swscale, area) so that its longer side is at most `max_side`, and turned
+upright by its display rotation (a phone video stores its pictures sideways with a display matrix:
+read as stored, its faces would lie on their side, unseen by dlib; `media.reference.upright`). The
+rotation is known once a frame is decoded, so the output size comes from the first frame (the
+upright picture's, width and height swapped for a quarter turn) and the work file is opened then.
+The audio is downmixed and resampled to 16 kHz mono (`media.audio.read_all`) and cut or padded to
+640 samples a frame. While the frames go by, PySceneDetect's `ContentDetector` is fed each one
+(the API on frames we hand it, so the file is decoded once): its cut frames split the video into
+shots.
 
 The normalised frames are written to a lossless work file (libx264rgb at qp 0, a key frame every
 25 frames so that a shot can be read back by seeking), the audio to a 16-bit WAV beside it. Later
@@ -17,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from itertools import chain
 from pathlib import Path
 
 import av
@@ -26,6 +32,7 @@ from avatarstream.data.clip import FPS, SAMPLE_RATE, SPF
 from avatarstream.data.shards import read_pcm, write_pcm
 from avatarstream.errors import InputError
 from avatarstream.media.audio import read_all
+from avatarstream.media.reference import quarter_turns, upright
 
 GOP = 25  # key-frame interval of the work file (frames): a seek lands at most a second early
 
@@ -51,11 +58,19 @@ def output_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     return max(2, int(round(width * k / 2)) * 2), max(2, int(round(height * k / 2)) * 2)
 
 
-def frames_at_25(container: av.container.InputContainer, size: tuple[int, int]) -> Iterator[np.ndarray]:
-    """RGB frames [H, W, 3] uint8 at 25 fps: slot k gets the source frame nearest to k / 25 s
-    (the earlier one on a tie); the last source frame lasts one source frame interval."""
+def upright_size(frame: av.VideoFrame, max_side: int) -> tuple[int, int]:
+    """`output_size` of the frame as a viewer sees it (width and height swapped for a quarter turn)."""
+    w, h = (frame.width, frame.height) if quarter_turns(frame) % 2 == 0 else (frame.height, frame.width)
+    return output_size(w, h, max_side)
+
+
+def frames_at_25(container: av.container.InputContainer, max_side: int) -> Iterator[np.ndarray]:
+    """Upright RGB frames [H, W, 3] uint8 at 25 fps, all of the first frame's `upright_size`: slot k
+    gets the source frame nearest to k / 25 s (the earlier one on a tie); the last source frame
+    lasts one source frame interval."""
     stream = container.streams.video[0]
     rate = float(stream.average_rate or stream.guessed_rate or FPS)
+    size: tuple[int, int] | None = None
     t0: float | None = None
     prev: np.ndarray | None = None
     prev_t = 0.0
@@ -65,7 +80,8 @@ def frames_at_25(container: av.container.InputContainer, size: tuple[int, int]) 
             continue
         t0 = frame.time if t0 is None else t0
         t = frame.time - t0
-        cur = frame.reformat(width=size[0], height=size[1], format="rgb24", interpolation="AREA").to_ndarray()
+        size = size or upright_size(frame, max_side)
+        cur = upright(frame, size, interpolation="AREA")
         while k / FPS <= t:
             slot = k / FPS
             yield cur if prev is None or t - slot < slot - prev_t else prev
@@ -106,10 +122,22 @@ def _reason(e: BaseException) -> str:
     return str(getattr(e, "strerror", None) or e).rstrip(".")
 
 
+def _first(frames: Iterator[np.ndarray], source: str) -> np.ndarray:
+    """The first frame (its size is the work file's); InputError if there is none."""
+    try:
+        first = next(frames, None)
+    except av.error.FFmpegError as e:
+        raise InputError(f"{source}: damaged video ({_reason(e)})") from e
+    if first is None:
+        raise InputError(f"{source}: no decodable video frame")
+    return first
+
+
 def normalise_video(source: str, video: str, work: Path, max_side: int, cut_threshold: float,
                     min_shot_frames: int) -> NormalisedVideo:
-    """Decode `source` once: write `work/VIDEO.mkv` (25 fps, longer side <= max_side, lossless) and
-    `work/VIDEO.wav` (16 kHz mono), and find the shot cuts. InputError if it holds no video."""
+    """Decode `source` once: write `work/VIDEO.mkv` (25 fps, upright, longer side <= max_side,
+    lossless) and `work/VIDEO.wav` (16 kHz mono), and find the shot cuts. InputError if it holds
+    no video."""
     try:
         container = av.open(source)
     except (OSError, av.error.FFmpegError) as e:
@@ -117,8 +145,9 @@ def normalise_video(source: str, video: str, work: Path, max_side: int, cut_thre
     with container:
         if not container.streams.video:
             raise InputError(f"{source}: no video stream")
-        s = container.streams.video[0]
-        size = output_size(s.codec_context.width, s.codec_context.height, max_side)
+        frames = frames_at_25(container, max_side)
+        first = _first(frames, source)
+        size = first.shape[1], first.shape[0]
         finder = CutFinder(cut_threshold, min_shot_frames)
         vpath = work / f"{video}.mkv"
         with av.open(str(vpath), "w", format="matroska") as out:
@@ -129,7 +158,7 @@ def normalise_video(source: str, video: str, work: Path, max_side: int, cut_thre
             o.thread_count = 1
             n = 0
             try:
-                for f in frames_at_25(container, size):
+                for f in chain([first], frames):
                     finder.add(f)
                     for p in o.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                         out.mux(p)
@@ -138,8 +167,6 @@ def normalise_video(source: str, video: str, work: Path, max_side: int, cut_thre
                 raise InputError(f"{source}: damaged video ({_reason(e)})") from e
             for p in o.encode():
                 out.mux(p)
-    if n == 0:
-        raise InputError(f"{source}: no decodable video frame")
     try:
         audio, has_audio = read_all(source, SAMPLE_RATE), True
     except InputError:

@@ -10,7 +10,8 @@ Ray with a concurrency of 1, not a second code path):
    stretch; crops of the stretches that pass are written to the work folder.
 
 The driver then sorts the records by key (so the result does not depend on which worker finished
-first), decides duplicates and identities over all of them (`graph.py`), moves the kept stretches
+first), decides duplicates, identities and scenes (shots grouped by their background,
+`scene_threshold`) over all of them (`graph.py`), moves the kept stretches
 into the shards in key order (`ShardWriter`), and writes `manifest.json` and `pairs.json`. Ray is
 started for the call (`ray.init(num_cpus=workers)`) and stopped after it, unless it is already
 running (then it is used as it is) or `ray_address` names a cluster; a cluster's workers must see
@@ -21,25 +22,29 @@ of 640 x 360 input.
 What it writes into `out` (a new folder):
 
     index.json          ShardReader's index: {"version": 1, "clips": [entry, ...]}, entries in key
-                        order with key, shard, identity ("person-NNN"), scene ("vNNNN-STEM-sNNNN":
-                        a shot of an input), split ("train"), size, frames, seconds, source, video,
-                        start_frame, end_frame (in the input's 25 fps frames), text ("")
+                        order with key, shard, identity ("person-NNN"), scene ("scene-NNN": the
+                        shots, of any input, with one background), shot_id ("vNNNN-STEM-sNNNN"),
+                        split ("train"), size, frames, seconds, source, video, start_frame,
+                        end_frame (in the input's 25 fps frames), text ("")
     shard-NNNNN/KEY.mkv the head crops, size x size, 25 fps, lossless (`shards.write_video`)
     shard-NNNNN/KEY.wav the stretch's audio, 16 kHz mono PCM
-    shard-NNNNN/KEY.json annotations: key, identity, scene, source, video, shot, window, track, start_frame,
+    shard-NNNNN/KEY.json annotations: key, identity, scene, shot_id, source, video, shot, window, track, start_frame,
                         end_frame, fps, sample_rate, size, frames, seconds, frame_size, quality
                         (the filters' measures), head_motion (summary), per_frame: landmarks
                         [F][68][2] in crop pixels, yaw/pitch/roll (deg), mouth_open, head_x/head_y
                         (face centre / frame size), head_scale (face width / frame height), crop
                         [F][3] (left, top, side in frame pixels), speaking
     pairs.json          {"pairs": [{"reference": KEY, "target": KEY, "identity": ID}, ...]}: one
-                        person's stretches, reference and target from different scenes
+                        person's stretches, reference and target from different scenes (two
+                        shots of one background never pair)
     manifest.json       {"version", "config", "inputs": [per input: source, video, frames, width,
                         height, has_audio, shots [[start, end), ...] or status "rejected" with reason
                         "unreadable" and detail], "stretches": [per stretch: key, video, shot, window, track,
-                        scene, start, end, frames, status ("kept" | "rejected"), reason (the first
-                        of reasons: unreadable, no_face, too_short, face_too_small, blur, extreme_pose,
-                        no_speech, av_offset, duplicate), reasons, metrics, identity,
+                        shot_id, scene (None: no frame of the shot read), background (the window's
+                        background descriptor, `background.py`), start, end, frames, status
+                        ("kept" | "rejected"), reason (the first of reasons: unreadable, no_face,
+                        too_short, face_too_small, blur, extreme_pose, no_speech, av_offset,
+                        duplicate), reasons, metrics, identity,
                         duplicate_of, descriptor (dlib's mean 128-d, for stretches that passed)]}
 
 KEY is `vNNNN-STEM-sNNNN-WWWW-tT`: input number and file stem, shot, window of the shot (shots
@@ -62,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from avatarstream.data.clip import FPS
-from avatarstream.data.curate.graph import assign_identities, cross_scene_pairs, mark_duplicates
+from avatarstream.data.curate.graph import assign_identities, assign_scenes, cross_scene_pairs, mark_duplicates
 from avatarstream.data.curate.stretch import StretchOptions, windows
 from avatarstream.data.shards import ShardWriter
 from avatarstream.errors import ConfigError, InputError, OutputError
@@ -81,6 +86,7 @@ class CurateConfig:
     cut_threshold: float = 27.0
     min_shot_frames: int = 15
     identity_threshold: float = 0.5
+    scene_threshold: float = 0.75  # background descriptor distance for one scene (graph.py)
     shard_size: int = 64
     stretch: StretchOptions = field(default_factory=StretchOptions)
 
@@ -234,21 +240,22 @@ def curate(videos: list[str | Path], out: str | Path, model_dir: str | Path, con
 
 def finish(out: Path, work: Path, writer: ShardWriter, shots: list[dict[str, Any]], records: list[dict[str, Any]],
            config: CurateConfig) -> dict[str, Any]:
-    """Duplicates, identities, shards, manifest and pairs (module doc)."""
+    """Duplicates, identities, scenes, shards, manifest and pairs (module doc)."""
     mark_duplicates(records, config.stretch.thresholds.max_hash_distance)
     assign_identities(records, config.identity_threshold)
+    assign_scenes(records, config.scene_threshold)
     kept = [r for r in records if not r["reasons"]]
     for pos, r in enumerate(kept):
         shard = writer.shard_of(pos)
         (out / shard).mkdir(exist_ok=True)
         for ext in ("mkv", "wav"):
             os.replace(work / f"{r['key']}.{ext}", out / shard / f"{r['key']}.{ext}")
-        ann = dict(r["annotations"], key=r["key"], identity=r["identity"], scene=r["scene"], source=r["source"],
-                   video=r["video"], shot=r["shot"], window=r["window"], track=r["track"], start_frame=r["start"],
-                   end_frame=r["end"])
+        ann = dict(r["annotations"], key=r["key"], identity=r["identity"], scene=r["scene"], shot_id=r["shot_id"],
+                   source=r["source"], video=r["video"], shot=r["shot"], window=r["window"], track=r["track"],
+                   start_frame=r["start"], end_frame=r["end"])
         (out / shard / f"{r['key']}.json").write_text(json.dumps(ann, sort_keys=True))
         writer.add({"key": r["key"], "shard": shard, "identity": r["identity"], "scene": r["scene"],
-                    "split": "train", "size": config.stretch.size, "frames": r["frames"],
+                    "shot_id": r["shot_id"], "split": "train", "size": config.stretch.size, "frames": r["frames"],
                     "seconds": r["frames"] / FPS, "source": r["source"], "video": r["video"],
                     "start_frame": r["start"], "end_frame": r["end"], "text": ""})
     writer.close()
@@ -261,7 +268,8 @@ def finish(out: Path, work: Path, writer: ShardWriter, shots: list[dict[str, Any
             rejected[r["reasons"][0]] = rejected.get(r["reasons"][0], 0) + 1
     return {"out": str(out), "videos": len({s["video"] for s in shots}), "shots": len({(s["video"], s["shot"]) for s in shots if not s["error"]}),
             "stretches": len(records), "kept": len(kept), "rejected": rejected,
-            "identities": len({r["identity"] for r in kept}), "pairs": len(pairs),
+            "identities": len({r["identity"] for r in kept}), "scenes": len({r["scene"] for r in kept}),
+            "pairs": len(pairs),
             "kept_seconds": round(sum(r["frames"] for r in kept) / FPS, 2)}
 
 
@@ -276,8 +284,8 @@ def manifest(shots: list[dict[str, Any]], records: list[dict[str, Any]], config:
                                            **json.loads(s["info"])})
     stretches = []
     for r in records:
-        e = {k: r.get(k) for k in ("key", "video", "shot", "window", "track", "scene", "start", "end", "frames",
-                                   "metrics")}
+        e = {k: r.get(k) for k in ("key", "video", "shot", "window", "track", "shot_id", "scene", "background",
+                                   "start", "end", "frames", "metrics")}
         e.update(status="rejected" if r["reasons"] else "kept", reason=r["reasons"][0] if r["reasons"] else None,
                  reasons=r["reasons"], identity=r.get("identity"))
         if "duplicate_of" in r:

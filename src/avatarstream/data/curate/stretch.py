@@ -5,7 +5,9 @@ equal parts, so a worker never holds more than one window of frames); a stretch 
 person) in one window. For each stretch `window_records` reads the measures of `filters.py`, and
 for a stretch that passes makes the head crops and writes them with the audio into the work folder
 (`KEY.mkv`, `KEY.wav`; the driver later moves the kept ones into the shards). Every stretch, kept
-or not, and every window without a usable track becomes a record for the manifest.
+or not, and every window without a usable track becomes a record for the manifest, each with its
+shot (`shot_id`) and the window's background descriptor (`background.py`, every track masked out),
+from which the driver groups shots into scenes (`graph.assign_scenes`).
 
 Head crops: a square around the landmarks' bounding box, `crop_scale` times its longer side, its
 centre raised by a tenth of the side (hair and the top of the head), centre and side smoothed over
@@ -24,6 +26,7 @@ import numpy as np
 
 from avatarstream.data.clip import FPS, SAMPLE_RATE, SPF
 from avatarstream.data.curate import faces as F
+from avatarstream.data.curate.background import background_descriptor
 from avatarstream.data.curate.filters import (Thresholds, frame_level_db, measure, reasons, sample_indices,
                                               speech_frames)
 from avatarstream.data.shards import write_pcm, write_video
@@ -95,7 +98,8 @@ def head_motion(pose: np.ndarray, centre: np.ndarray, width: np.ndarray) -> dict
 
 def annotations(frames: np.ndarray, lm: np.ndarray, audio: np.ndarray, win: np.ndarray, size: int,
                 metrics: dict[str, Any]) -> dict[str, Any]:
-    """A kept stretch's annotations (without identity and scene, which the driver adds)."""
+    """A kept stretch's annotations (without identity, scene and the record's fields, which the
+    driver adds)."""
     n, h, w = frames.shape[:3]
     pose = F.head_pose(lm)
     width = F.face_size(lm)
@@ -137,34 +141,40 @@ def stretch_record(faces: F.DlibFaces, frames: np.ndarray, audio: np.ndarray, lm
     return rec
 
 
-def scene_of(row: dict[str, Any]) -> str:
-    """A shot's scene name, `vNNNN-STEM-sNNNN` (every shot is a scene of its own)."""
+def shot_id(row: dict[str, Any]) -> str:
+    """A shot's name, `vNNNN-STEM-sNNNN` (input and shot number)."""
     return f"{row['video']}-s{row['shot']:04d}"
 
 
 def window_key(row: dict[str, Any]) -> str:
-    return f"{scene_of(row)}-{row['window']:04d}"
+    return f"{shot_id(row)}-{row['window']:04d}"
 
 
 def window_records(faces: F.DlibFaces, frames: np.ndarray, audio: np.ndarray, opt: StretchOptions,
                    row: dict[str, Any], work: Path) -> list[dict[str, Any]]:
     """Records of every stretch of one window (frames [n, H, W, 3], audio [n * 640]); `row` holds
     video, source, shot, window, start, end (frames of the normalised video)."""
-    base = {k: row[k] for k in ("video", "source", "shot", "window")}
+    tracks = F.track_faces(faces, frames, opt.detect_every)
+    bg = np.round(background_descriptor(frames, [(t.start, crop_windows(t.landmarks, opt.crop_scale))
+                                                 for t in tracks]), 4).tolist()
+    base = {"video": row["video"], "source": row["source"], "shot": row["shot"], "window": row["window"],
+            "shot_id": shot_id(row), "background": bg}
     out = []
-    for t, tr in enumerate(F.track_faces(faces, frames, opt.detect_every)):
+    for t, tr in enumerate(tracks):
         a, b = tr.start, tr.end
-        info = dict(base, key=f"{window_key(row)}-t{t}", scene=scene_of(row), track=t,
-                    start=row["start"] + a, end=row["start"] + b)
+        info = dict(base, key=f"{window_key(row)}-t{t}", track=t, start=row["start"] + a, end=row["start"] + b)
         if b - a < opt.min_frames:
             out.append(dict(info, frames=b - a, reasons=["too_short"], metrics={}))
         else:
             out.append(stretch_record(faces, frames[a:b], audio[a * SPF:b * SPF], tr.landmarks, opt, info, work))
-    return out or [whole_window_record(row, "no_face")]
+    return out or [whole_window_record(row, "no_face", background=bg)]
 
 
-def whole_window_record(row: dict[str, Any], reason: str, **metrics: Any) -> dict[str, Any]:
-    """The record of a window rejected as a whole (no usable face, unreadable)."""
+def whole_window_record(row: dict[str, Any], reason: str, background: list[float] | None = None,
+                        **metrics: Any) -> dict[str, Any]:
+    """The record of a window rejected as a whole (no usable face; unreadable, without frames and
+    so without a background descriptor)."""
     return {"key": window_key(row), "video": row["video"], "source": row["source"], "shot": row["shot"],
-            "window": row["window"], "scene": scene_of(row), "track": None, "start": row["start"],
-            "end": row["end"], "frames": row["end"] - row["start"], "reasons": [reason], "metrics": metrics}
+            "window": row["window"], "shot_id": shot_id(row), "background": background, "track": None,
+            "start": row["start"], "end": row["end"], "frames": row["end"] - row["start"], "reasons": [reason],
+            "metrics": metrics}

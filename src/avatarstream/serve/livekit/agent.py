@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 class AvatarStreamAvatar(AvatarSession):
     def __init__(self, *, agent_name: str = AGENT_NAME, avatar_identity: str = "avatarstream-avatar",
-                 avatar_name: str = "avatar", sample_rate: int = 16000,
+                 avatar_name: str = "avatar", sample_rate: int | None = None,
                  api_url: str | None = None, api_key: str | None = None,
                  api_secret: str | None = None) -> None:
         super().__init__()

@@ -9,8 +9,10 @@ allows (`AvatarHost.admit`; refused ones go to another worker), under the identi
 metadata names, publishing on behalf of the agent. The job joins the room, waits for the agent
 (its `sender_identity`, or the first agent participant), receives its audio over LiveKit's byte
 stream (`DataStreamAudioReceiver`) into a `SessionVideoGenerator`, and LiveKit's `AvatarRunner`
-publishes the avatar's video and audio tracks. When the agent leaves (or the session fails), the
-job ends and its session's slot is free again.
+publishes the avatar's video and audio tracks. The audio is the agent's own at 48 kHz
+(`ROOM_AUDIO_RATE`): a track's audio source has one rate, fixed before the agent has sent
+anything, and 48 kHz (what WebRTC's Opus codes anyway) loses nothing of any agent's rate. When
+the agent leaves (or the session fails), the job ends and its session's slot is free again.
 
 Jobs run on threads of this process (`JobExecutorType.THREAD`), not in job processes as LiveKit
 does by default: the model is loaded once and every room's chunks are batched by the one
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 AGENT_NAME = "avatarstream"
 SENDER_TIMEOUT_S = 60.0  # a dispatched job waits this long for its agent to be in the room
+ROOM_AUDIO_RATE = 48000  # the avatar's audio track (WebRTC's Opus codes 48 kHz whatever it is fed)
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ async def run_room(ctx: JobContext, host: AvatarHost) -> None:
         ctx.shutdown(f"no agent ({meta.sender_identity or 'any'}) joined within {SENDER_TIMEOUT_S:g} s")
         return
     try:
-        gen = SessionVideoGenerator(host)
+        gen = SessionVideoGenerator(host, sample_rate=ROOM_AUDIO_RATE)
     except AdmissionError as e:  # admitted at the request, full by now
         log.warning("room %s: %s", room.name, e)
         ctx.shutdown(str(e))
@@ -123,7 +126,7 @@ async def run_room(ctx: JobContext, host: AvatarHost) -> None:
     runner = AvatarRunner(
         room, audio_recv=DataStreamAudioReceiver(room, sender_identity=sender.identity),
         video_gen=gen, options=AvatarOptions(video_width=c.out_hw[1], video_height=c.out_hw[0],
-                                             video_fps=c.fps, audio_sample_rate=c.sample_rate,
+                                             video_fps=c.fps, audio_sample_rate=ROOM_AUDIO_RATE,
                                              audio_channels=1))
     left = asyncio.Event()
 
