@@ -122,3 +122,22 @@ def test_windows_of_one_shot_are_one_scene():
     recs.insert(1, dict(recs[0], key="v0000-x-s0000-0000-t1", track=1))  # a second person, same window
     assign_scenes(recs, 0.5)
     assert [r["scene"] for r in recs] == ["scene-000"] * 3 + ["scene-001", "scene-000"]
+
+
+def test_components_in_row_blocks_equal_the_whole_matrix(monkeypatch):
+    """`components` holds ROWS rows of distances at a time (memory linear in the windows): the
+    labels equal those of the whole matrix at once, with and without forced groups, exactly."""
+    import numpy as np
+
+    from avatarstream.data.curate import graph
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1300, 8))
+    groups = [str(i % 37) if i % 5 == 0 else f"own-{i}" for i in range(1300)]
+    for forced in (None, groups):
+        monkeypatch.setattr(graph, "ROWS", 10**9)
+        whole = graph.components(x, 2.0, forced)
+        assert 1 < len(set(whole)) < 1300  # a threshold that joins some rows, not all
+        for rows in (7, 512):
+            monkeypatch.setattr(graph, "ROWS", rows)
+            assert graph.components(x, 2.0, forced) == whole

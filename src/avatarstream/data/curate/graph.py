@@ -54,6 +54,9 @@ def mark_duplicates(records: list[dict[str, Any]], max_distance: float) -> None:
             firsts.append(r)
 
 
+ROWS = 512  # rows of the distance matrix held at once by `components`
+
+
 def components(desc: Sequence[Sequence[float]] | np.ndarray, threshold: float,
                groups: list[str] | None = None) -> list[int]:
     """Connected-component label of each row of descriptors [n, d] under a Euclidean distance
@@ -70,12 +73,15 @@ def components(desc: Sequence[Sequence[float]] | np.ndarray, threshold: float,
 
     x = np.asarray(desc, np.float64).reshape(n, -1) if n else np.zeros((0, 1))
     sq = (x * x).sum(1)
-    near = np.sqrt(np.maximum(sq[:, None] + sq[None] - 2 * x @ x.T, 0)) < threshold  # [n, n]
-    if groups is not None:
-        g = np.unique(np.asarray(groups), return_inverse=True)[1]
-        near |= g[:, None] == g[None]
-    for i, j in np.argwhere(np.triu(near, 1)).tolist():
-        parent[max(find(i), find(j))] = min(find(i), find(j))
+    g = None if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+    for a in range(0, n, ROWS):  # ROWS x n distances at a time: memory linear in n
+        b = min(n, a + ROWS)
+        near = np.sqrt(np.maximum(sq[a:b, None] + sq[None] - 2 * x[a:b] @ x.T, 0)) < threshold
+        if g is not None:
+            near |= g[a:b, None] == g[None]
+        for i, j in np.argwhere(np.triu(near, 1 + a)).tolist():  # pairs (a + i, j), j > a + i
+            i += a
+            parent[max(find(i), find(j))] = min(find(i), find(j))
     names: dict[int, int] = {}
     return [names.setdefault(find(i), len(names)) for i in range(n)]
 
