@@ -141,6 +141,24 @@ class Run:
         return np.concatenate([d for _, k, _, d in self.items if k == "audio"] or [np.zeros(0, np.int16)])
 
 
+def _drive(host, body, idle: int = 3) -> Run:  # type: ignore[no-untyped-def]
+    """Open a SessionVideoGenerator on `host`, consume it, wait for `idle` idle frames (the avatar
+    listening), run `await body(gen, run)`, then close it; the Run with what was yielded."""
+    from avatarstream.serve.livekit.generator import SessionVideoGenerator
+
+    async def main() -> Run:
+        gen = SessionVideoGenerator(host)
+        run = Run(gen)
+        task = asyncio.create_task(run.consume())
+        await run.until(lambda: len(run.items) >= idle)
+        await body(gen, run)
+        await gen.aclose()
+        await asyncio.wait_for(task, 10)
+        return run
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("which", ["host", "bundled_host"])
 def test_audio_in_equals_audio_out_paced_and_segment_end(which, request):
     """24 kHz speech (with leading silence) in, then end of speech: the model is fed the input
@@ -149,30 +167,21 @@ def test_audio_in_equals_audio_out_paced_and_segment_end(which, request):
     AudioSegmentEnd right after the utterance's last frame.
     tiny-random and the bundled model; real-time pacing is asserted for tiny-random only (the
     bundled model is real time on 2 free cores, not on a CI machine shared by other jobs)."""
-    from avatarstream.serve.livekit.generator import SessionVideoGenerator
-
     host = request.getfixturevalue(which)
     c = host.models.config
     spf = SR_IN // c.fps  # the output's samples per video frame (960)
     pcm = _speech_pcm(1.0, lead_silence_s=0.2)
     want = _resampled_offline(pcm, c.sample_rate)
 
-    async def main() -> Run:
-        gen = SessionVideoGenerator(host)
-        run = Run(gen)
-        task = asyncio.create_task(run.consume())
-        await run.until(lambda: len(run.items) >= 5)  # idle first: video only
+    async def body(gen, run) -> None:  # type: ignore[no-untyped-def]
         for f in _frames(pcm):
             await gen.push_audio(f)
         from livekit.agents.voice.avatar import AudioSegmentEnd
         await gen.push_audio(AudioSegmentEnd())
         await run.until(lambda: "end" in run.kinds())
         await asyncio.sleep(0.3)  # idle again after it
-        await gen.aclose()
-        await asyncio.wait_for(task, 10)
-        return run
 
-    run = asyncio.run(main())
+    run = _drive(host, body, idle=5)  # idle first: video only
     kinds = run.kinds()
     assert kinds[:5] == ["video"] * 5 and kinds.count("end") == 1
     # Audio out == audio in, at the agent's rate, leading silence included (tolerance 0):
@@ -246,24 +255,15 @@ def test_audio_out_is_the_agents_own_at_its_rate(host, rate):
     a 16 kHz copy cannot carry) comes out at the agent's rate, bit for bit, tone and leading
     silence included; the model is fed the input resampled to 16 kHz; each talk video frame comes
     right after its own 40 ms (rate / 25 samples) of audio; AudioSegmentEnd after the last."""
-    from avatarstream.serve.livekit.generator import SessionVideoGenerator
-
     c = host.models.config
     spf = rate // c.fps
     pcm = _speech_pcm(1.0, lead_silence_s=0.2, rate=rate, tone_hz=10000)
 
-    async def main() -> Run:
-        gen = SessionVideoGenerator(host)  # the output rate: the agent's (its first frame's)
-        run = Run(gen)
-        task = asyncio.create_task(run.consume())
-        await run.until(lambda: len(run.items) >= 5)
+    async def body(gen, run) -> None:  # type: ignore[no-untyped-def]
         await _speak(gen, run, pcm, rate)
         await asyncio.sleep(0.3)
-        await gen.aclose()
-        await asyncio.wait_for(task, 10)
-        return run
 
-    run = asyncio.run(main())
+    run = _drive(host, body, idle=5)  # the output rate: the agent's (its first frame's)
     kinds = run.kinds()
     assert run.rates == {rate}
     got = run.audio()
@@ -285,26 +285,17 @@ def test_agent_changes_rate_out_stays_at_the_first(host):
     room's audio source has one rate), the later ones resampled to it by LiveKit's resampler
     (within its dither of the same frames resampled outside the adapter), the 10 kHz band of the
     24 kHz one kept, each on its own frames, in time with the video, nothing falling back."""
-    from avatarstream.serve.livekit.generator import SessionVideoGenerator
-
     c = host.models.config
     spf = 48000 // c.fps
     rates = (48000, 24000, 16000)
     pcms = [_speech_pcm(0.4, rate=r, tone_hz=10000 if r == 24000 else None) for r in rates]
 
-    async def main() -> Run:
-        gen = SessionVideoGenerator(host)
-        run = Run(gen)
-        task = asyncio.create_task(run.consume())
-        await run.until(lambda: len(run.items) >= 3)
+    async def body(gen, run) -> None:  # type: ignore[no-untyped-def]
         for pcm, rate in zip(pcms, rates):
             await _speak(gen, run, pcm, rate)
             await asyncio.sleep(0.3)
-        await gen.aclose()
-        await asyncio.wait_for(task, 10)
-        return run
 
-    run = asyncio.run(main())
+    run = _drive(host, body, idle=3)
     assert run.rates == {48000} and run.gen.fallback_samples == 0
     kinds = run.kinds()
     talk = [i for i, k in enumerate(kinds) if k == "audio"]
@@ -374,19 +365,13 @@ def test_clear_buffer_interrupts_within_one_chunk(host):
     """3 s of speech, interrupted once it is heard: the speech stops within one chunk (+ the lead)
     of the interrupt, no AudioSegmentEnd is yielded (the runner reports the interruption), the
     avatar idles (video only) afterwards, and new speech after it is spoken from its start."""
-    from avatarstream.serve.livekit.generator import SessionVideoGenerator
-
     c = host.models.config
     chunk_s = 4 * c.chunk / c.fps
     pcm = _speech_pcm(3.0)
     second = _speech_pcm(0.4)
     marks: dict[str, float] = {}
 
-    async def main() -> Run:
-        gen = SessionVideoGenerator(host)
-        run = Run(gen)
-        task = asyncio.create_task(run.consume())
-        await run.until(lambda: len(run.items) >= 3)
+    async def body(gen, run) -> None:  # type: ignore[no-untyped-def]
         pusher = asyncio.create_task(_push_all(gen, pcm))  # faster than real time: back-pressure
         await run.until(lambda: np.abs(run.audio()).max(initial=0) > 1000)
         await asyncio.sleep(0.5)
@@ -401,11 +386,8 @@ def test_clear_buffer_interrupts_within_one_chunk(host):
         from livekit.agents.voice.avatar import AudioSegmentEnd
         await gen.push_audio(AudioSegmentEnd())
         await run.until(lambda: "end" in run.kinds())
-        await gen.aclose()
-        await asyncio.wait_for(task, 10)
-        return run
 
-    run = asyncio.run(main())
+    run = _drive(host, body, idle=3)
     first = run.items[: marks["second_at"]]
     heard = [(p, d) for _, k, p, d in first if k == "audio"]
     loud = [p for p, d in heard if np.abs(d).max() > 0]
@@ -432,16 +414,10 @@ def test_slow_agent_pauses_then_ends_once(host):
     speech, and both pieces were spoken whole."""
     from livekit.agents.voice.avatar import AudioSegmentEnd
 
-    from avatarstream.serve.livekit.generator import SessionVideoGenerator
-
     c = host.models.config
     a, b = _speech_pcm(0.4), _speech_pcm(0.4)
 
-    async def main() -> Run:
-        gen = SessionVideoGenerator(host)
-        run = Run(gen)
-        task = asyncio.create_task(run.consume())
-        await run.until(lambda: len(run.items) >= 3)
+    async def body(gen, run) -> None:  # type: ignore[no-untyped-def]
         await _push_all(gen, a)
         await asyncio.sleep(2.0)  # > hangover (0.6 s) + a chunk: that utterance is over
         assert gen.session.segments == 1 and not gen.session.talking
@@ -449,11 +425,8 @@ def test_slow_agent_pauses_then_ends_once(host):
         await gen.push_audio(AudioSegmentEnd())
         await run.until(lambda: "end" in run.kinds())
         await asyncio.sleep(0.3)
-        await gen.aclose()
-        await asyncio.wait_for(task, 10)
-        return run
 
-    run = asyncio.run(main())
+    run = _drive(host, body, idle=3)
     kinds = run.kinds()
     assert kinds.count("end") == 1 and run.gen.session.segments == 2
     last_talk = max(i for i, k in enumerate(kinds) if k == "audio")
