@@ -143,7 +143,8 @@ def test_user_mistakes_give_one_clear_error(media, tmp_path, name, override, men
 def test_sink_switches_go_both_ways():
     """`--adaptive-sink` / `--no-adaptive-sink` (and the Rolling RoPE pair) override the model's
     default either way; left out, the model's default stands."""
-    from avatarstream.cli import _overrides, build_parser
+    from avatarstream.cli import build_parser
+    from avatarstream.cli_generate import _overrides
     from avatarstream.weights import small_pipeline
 
     p = build_parser()

@@ -77,7 +77,7 @@ def test_broken_download_and_missing_context_are_one_clear_error(media, folder: 
 
 def test_primed_streaming_decode_is_the_official_whole_decode(folder: Path) -> None:
     """The TPP pipeline primes the decoder with 7 motion latents and drops block 0's first 3
-    frames: what is published equals decode(cat(motion[:7], blocks))[25 + 3:] (liveavatar.md §5)."""
+    frames: what is published equals decode(cat(motion[:7], blocks))[25 + 3:] (docs/real-models.md, LiveAvatar's "Decode")."""
     from avatarstream.engine.stages.liveavatar import PRIME_LATENTS, PrimedDecodeStage
     from avatarstream.registry import load_model
 
@@ -168,7 +168,9 @@ def test_live_session_speaks_through_the_same_stages(folder: Path, tmp_path: Pat
 
 def test_fp8_flag_quantizes_the_blocks_and_still_renders(folder: Path) -> None:
     """`liveavatar:DIR,fp8`: the LoRA merged first, then the blocks' and injectors' linears in
-    float8 (models/fp8.py); the video stays within a few grey levels' worth of the bf16 one."""
+    float8 (models/fp8.py); the video stays within a few grey levels of the float32 one: mean
+    absolute difference measured 0.74 levels (1 and 2 threads alike; 99th percentile 5), bound 3
+    (4x); another reference and noise (seed 1) measured 11.6, 4x above the bound."""
     from avatarstream.models.fp8 import Float8Linear
     from avatarstream.registry import load_model
 
@@ -180,7 +182,7 @@ def test_fp8_flag_quantizes_the_blocks_and_still_renders(folder: Path) -> None:
     _, a = _run(plain, 1.0)
     _, b = _run(fp8, 1.0)
     diff = np.abs(np.stack(a).astype(float) - np.stack(b).astype(float))
-    assert 0 < diff.mean() < 20
+    assert 0 < diff.mean() < 3, diff.mean()
 
 
 def test_offloaded_blocks_equal_resident(folder: Path) -> None:

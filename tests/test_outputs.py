@@ -78,8 +78,9 @@ def test_frame_validity_takes_the_spread_per_channel():
     assert frame_validity(ramp).tolist() == [False, True]
 
 
-def interrupt_when(cmd: list[str], ready, timeout: float = 240) -> tuple[int, str, dict]:  # noqa: ANN001
-    """Run `cmd`, send SIGINT once `ready(event)` holds for a --events line (or, for ready taking
+def interrupt_when(cmd: list[str], ready, timeout: float = 240,  # noqa: ANN001
+                   sig: int = signal.SIGINT) -> tuple[int, str, dict]:
+    """Run `cmd`, send `sig` (SIGINT) once `ready(event)` holds for a --events line (or, for ready taking
     None, as soon as it holds while polling); return (exit code, stderr, the last event)."""
     # a shell's background job starts with SIGINT ignored, and Python then never turns it into
     # KeyboardInterrupt: give the run the default disposition, as a terminal's Ctrl-C finds it
@@ -99,7 +100,7 @@ def interrupt_when(cmd: list[str], ready, timeout: float = 240) -> tuple[int, st
             while not ready(None):
                 assert proc.poll() is None and time.time() < deadline, "ended before it was interrupted"
                 time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rest = proc.stderr.read()
         return proc.wait(timeout=120), rest, event
     finally:

@@ -148,8 +148,9 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None, lora
     AVX512-bf16, far slower without; `hardware.bf16_is_fast`). lora: an adapter file
     `train personality` wrote (weights/lora_file.py), merged into the DiT (`merge_lora`)."""
     spec = model_spec_for(name)
+    adapter = _read_adapter(lora)  # a damaged adapter is refused before the model loads (minutes for a real one)
     if spec.load is not None:  # a family that builds its own modules (an official folder)
-        return _with_lora(spec.load(device, bf16), lora)
+        return _with_lora(spec.load(device, bf16), lora, adapter)
     torch.manual_seed(spec.seed)
     nets = spec.networks()
     if spec.weights is None:
@@ -166,25 +167,36 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None, lora
             for k, v in nets.items()}
     audio_model = mods["audio"].model
     return _with_lora(ModelSet(name=name, config=spec.pipeline(),
-                               make_audio_stream=lambda: StreamingAudioFeatures(audio_model), **mods), lora)
+                               make_audio_stream=lambda: StreamingAudioFeatures(audio_model), **mods), lora, adapter)
 
 
-def _with_lora(models: ModelSet, lora: str | None) -> ModelSet:
+def _read_adapter(lora: str | None) -> tuple | None:
+    """`read_lora_file(lora)` (tensors, settings, header), refused when it replaces the base's own adapter."""
+    if lora is None:
+        return None
+    from avatarstream.weights.lora_file import read_lora_file
+
+    adapter = read_lora_file(lora)
+    meta = adapter[2]
+    if meta.get("replaces"):
+        raise ConfigError(f"--lora {lora}: it replaces the base's own adapter ({meta['replaces']}); load it "
+                          f"as {meta.get('load', 'the model name with ,lora=FILE')}")
+    return adapter
+
+
+def _with_lora(models: ModelSet, lora: str | None, adapter: tuple | None) -> ModelSet:
     """`models` with the adapter file `lora` merged into its DiT (None: as it is). An adapter that
     replaces LiveAvatar's own is refused here: it is loaded as `liveavatar:DIR,lora=FILE`."""
     if lora is None:
         return models
-    from avatarstream.weights.lora import merge_lora
-    from avatarstream.weights.lora_file import read_lora_file
+    from avatarstream.weights.lora_file import merge_adapter
 
-    tensors, settings, meta = read_lora_file(lora)
-    if meta.get("replaces"):
-        raise ConfigError(f"--lora {lora}: it replaces the base's own adapter ({meta['replaces']}); load it "
-                          f"as {meta.get('load', 'the model name with ,lora=FILE')}")
+    assert adapter is not None
+    tensors, settings, meta = adapter
     if any(p.dtype == torch.float8_e4m3fn for p in models.dit.model.parameters()):
         raise ConfigError(f"--lora {lora}: the DiT is stored in fp8 (,fp8); an adapter merges into its full "
                           "weights only (drop ,fp8)")
-    merge_lora(models.dit.model, tensors, settings, what=f"--lora {lora}")
+    merge_adapter(models.dit.model, tensors, settings, meta, models.name, what=f"--lora {lora}")
     # another name: what is stored per model (a server's prepared references) is not shared
     # between the base and an adapted model, nor between two adapters
     h = hashlib.blake2b(digest_size=6)

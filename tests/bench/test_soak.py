@@ -20,8 +20,8 @@ from avatarstream.media.synthetic import speechlike
 LIVE_MINUTE = {"minute", "seconds", "av_offset_ms", "av_offset_decoded_ms", "onset_offset_ms", "frames",
                "dropped", "duplicated", "repeated_late", "rss_mb", "rss_min_mb", "rss_max_mb", "lag_max_s",
                "load_1m"}
-FILE_MINUTE = {"minute", "seconds", "av_offset_ms", "audio_shift_ms", "frames", "expected_frames",
-               "dropped", "duplicated", "rss_mb", "rss_min_mb", "rss_max_mb"}
+FILE_MINUTE = {"minute", "seconds", "av_offset_ms", "video_delay_ms", "audio_delay_ms", "audio_shift_ms",
+               "frames", "expected_frames", "dropped", "duplicated", "rss_mb", "rss_min_mb", "rss_max_mb"}
 
 
 @pytest.mark.timeout(240)
@@ -111,6 +111,42 @@ def test_audio_shift_finds_moved_samples():
     assert audio_shift_s(x, moved, 16000, 48000, 16000) == pytest.approx(0.03, abs=1e-4)
     assert audio_shift_s(x, x, 16000, 48000, 16000) == 0.0
     assert audio_shift_s(np.zeros_like(x), x, 16000, 48000, 16000) is None  # silence: cannot tell
+
+
+def _written(path, source: np.ndarray, *, video_start: int, audio_start: int = 0):  # noqa: ANN001
+    """A 2 s file through the file sink generate uses: the source track from timeline sample
+    `audio_start`, 50 frames from timeline frame `video_start` (25 fps)."""
+    from avatarstream.media.frames import AudioChunk, VideoChunk
+    from avatarstream.publish.file import FragmentedMP4Sink
+
+    sink = FragmentedMP4Sink(path)
+    sink.open(64, 64, 25, 16000)
+    frames = np.repeat(np.arange(50, dtype=np.uint8)[:, None, None, None] * 5, 64 * 64 * 3).reshape(50, 64, 64, 3)
+    sink.write_audio(AudioChunk(source, audio_start, 16000))
+    for i in range(0, 50, 10):  # chunks of 10 frames, as the engine publishes
+        sink.write_video(VideoChunk(frames[i : i + 10], video_start + i, 25))
+    sink.close()
+    return path
+
+
+@pytest.mark.parametrize("video_start, audio_start, offset_ms", [(0, 0, 0.0), (5, 0, 200.0), (0, 1600, -100.0)],
+                         ids=["in-sync", "video-200ms-late", "audio-100ms-late"])
+def test_file_offset_measures_both_sides(tmp_path, video_start, audio_start, offset_ms):
+    """A video track stamped 200 ms late as a whole (every frame there, no gap) shows as video
+    200 ms late; audio written 100 ms late as video 100 ms early; a file in sync as 0 (within
+    one AAC frame of rounding, 1 ms). Before the video side was measured, the first read 0."""
+    from avatarstream.bench.soak_file import report
+
+    source = speechlike(2.0, seed=3)
+    out = _written(tmp_path / "f.mp4", source, video_start=video_start, audio_start=audio_start)
+    summary = {"frames": 50, "duration_s": 2.0, "wall_s": 1.0, "peak_rss_mb": 0.0}
+    got = report(summary, np.zeros(0), np.zeros(0), 1.0, out, source, 16000)
+    [m] = got["per_minute"]
+    assert m["av_offset_ms"] == pytest.approx(offset_ms, abs=1.0), m
+    assert set(m) == FILE_MINUTE and got["frames"] == 50
+    assert m["dropped"] == 0 and m["duplicated"] == 0  # a shift, not a gap
+    assert m["video_delay_ms"] == pytest.approx(40.0 * video_start, abs=1.0), m
+    assert m["audio_delay_ms"] == pytest.approx(audio_start / 16.0, abs=1.0), m
 
 
 def test_verdict_applies_the_criteria():

@@ -18,7 +18,8 @@ from avatarstream.engine.handoff_schedule import HandoffSchedule
 from avatarstream.engine.module import Module
 from avatarstream.engine.pcm_stream import PCMFrames, frames_from_tokens
 from avatarstream.engine.pipeline import Pipeline
-from avatarstream.engine.schedule import SCENE_CHUNK, make_schedule
+from avatarstream.engine.loop import make_schedule
+from avatarstream.engine.schedule import SCENE_CHUNK
 from avatarstream.engine.stage import Stage
 from avatarstream.engine.stages.flashhead import FlashHeadDenoiseStage, FlashHeadReference
 from avatarstream.engine.stages.whole_decode import WholeChunkDecodeStage
@@ -229,5 +230,9 @@ def test_engine_chunk_loop_equals_the_official_loop_of_the_fixture(path: Path) -
                                    iter([torch.zeros(640 * frames)]), [])
     assert summary.chunks == chunks == len(rec.latents)
     diff = (torch.stack(rec.latents) - fx.expected["latents"]).abs().max().item()
-    print("engine vs fixture latents: max abs diff", diff)  # ~1e-6
-    assert diff <= 1e-4
+    print("engine vs fixture latents: max abs diff", diff)
+    # measured 1.07e-6 (Pro) and 1.04e-6 (Lite) on an AMD EPYC: the parity bound of the family
+    # (1e-5, 9x that) holds the engine's loop to what `models parity` holds the port to
+    from avatarstream.parity.fixture import FAMILY_TOLERANCE
+
+    assert diff <= FAMILY_TOLERANCE["flashhead-dit"]

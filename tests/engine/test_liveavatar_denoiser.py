@@ -2,9 +2,9 @@
 
 On the `liveavatar-dit` fixtures (the official `CausalWanModel_S2V` run by its pipeline: sink
 prefills, blocks × Euler steps, one ring per step), the denoiser the engine runs, given the
-fixture's inputs and its pinned sink distance, lands on the official latents within the parity
-tolerance (1e-4, fp32; measured ~1.4e-6); split over two processes' step shares (TPP) it is the
-same computation, bit for bit."""
+fixture's inputs and its pinned sink distance, lands on the official latents within the family's
+parity bound (1e-5, fp32; measured 1.43e-6 on -a and 1.19e-6 on -b, AMD EPYC: 7x under it); split
+over two step shares (TPP, here in one process) it is the same computation, bit for bit."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from avatarstream.engine.liveavatar import SIGMAS, LiveAvatarDenoiser, sink_distance
 from avatarstream.engine.module import Module
-from avatarstream.parity.fixture import TOLERANCE, load_fixture
+from avatarstream.parity.fixture import FAMILY_TOLERANCE, load_fixture
 from avatarstream.parity.liveavatar_dit import load
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
@@ -48,7 +48,7 @@ def test_denoiser_reproduces_the_official_stream(path):
     with torch.inference_mode():
         whole = _run(fx, [[0, 1, 2, 3]])
         split = _run(fx, [[0, 1], [2, 3]])
-    assert float((whole - fx.expected["latents"]).abs().max()) <= TOLERANCE
+    assert float((whole - fx.expected["latents"]).abs().max()) <= FAMILY_TOLERANCE["liveavatar-dit"]
     assert torch.equal(whole, split)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from avatarstream.engine.clock import MediaClock
-from avatarstream.engine.schedule import SCENE_CHUNK, InterpSchedule, PrefixSchedule, make_schedule
+from avatarstream.engine.loop import make_schedule
+from avatarstream.engine.schedule import SCENE_CHUNK, InterpSchedule, PrefixSchedule
 from avatarstream.errors import ConfigError
 
 

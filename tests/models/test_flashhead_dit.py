@@ -15,7 +15,7 @@ import torch
 from avatarstream.models.flashhead import FlashHeadConfig, FlashHeadDiT, latent_windows
 from avatarstream.weights.flashhead import FLASHHEAD
 
-KEYS = Path(__file__).resolve().parents[1] / "fixtures" / "real-models"  # copies of shared/real-models
+KEYS = Path(__file__).resolve().parents[1] / "fixtures" / "real-models"  # real checkpoints' key lists
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

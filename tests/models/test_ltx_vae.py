@@ -12,7 +12,7 @@ import torch
 
 from avatarstream.models.ltx import LTXVAEConfig, LTXVideoVAE
 
-KEYS = Path(__file__).resolve().parents[1] / "fixtures" / "real-models"  # copies of shared/real-models
+KEYS = Path(__file__).resolve().parents[1] / "fixtures" / "real-models"  # real checkpoints' key lists
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

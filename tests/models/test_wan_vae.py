@@ -41,7 +41,7 @@ def test_real_config_key_layout_on_meta():
     with torch.device("meta"):
         vae = WanVAE(WanVAEConfig())
     sd = vae.state_dict()
-    assert len(sd) == 194  # shared/real-models/README.md: 194 tensors, 126.9 M parameters
+    assert len(sd) == 194  # docs/real-models.md: 194 tensors, 126.9 M parameters
     assert round(sum(t.numel() for t in sd.values()) / 1e6, 1) == 126.9
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     assert shapes["encoder.conv1.weight"] == (96, 3, 3, 3, 3)

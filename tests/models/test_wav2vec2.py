@@ -62,7 +62,7 @@ def test_config_from_hf_dict() -> None:
 
 
 def test_full_size_parameter_counts_on_meta() -> None:
-    """Ours + the skipped CTC head and mask vector = the checkpoints' counts (verification.md:
+    """Ours + the skipped CTC head and mask vector = the checkpoints' counts (transformers' `Wav2Vec2ForCTC` at the released configs:
     large 424 tensors / 315,472,545 params; base-960h 213 / 94,396,320, vocab 32)."""
     for cfg, vocab, tensors, params in [(Wav2Vec2Config.large(), 33, 424, 315_472_545),
                                         (Wav2Vec2Config.base(), 32, 213, 94_396_320)]:

@@ -2,8 +2,10 @@
 download in the official layout, its 4 Euler steps split over 1, 2 or 4 denoise processes plus a
 decode process (gloo on CPU; NCCL on GPUs), launched by the CLI and by `torchrun`, equal to
 single-process generation. The raw frames (`frames_out`, before any video encode) are compared:
-the ranks run the same ops on the same inputs, so the frames are equal (tolerance 0 levels; the
-issue's 1e-5 on latents is below one level)."""
+the ranks run the same ops on the same inputs at one thread each, as the single-process run does
+here, so the frames are expected equal (measured: 0 levels). Written: at most 1 level of 8 bits,
+as tests/parallel/test_tpp.py: a last-bit difference in a latent (another CPU's kernels) can move
+a pixel that sits on a rounding edge by one level; the issue's 1e-5 on latents is below that."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from avatarstream.bench.inputs import speechlike, write_wav
 from conftest import run_cli
 from avatarstream.parallel.run import read_frames
-from avatarstream.parallel.tpp import TPPJob, run_tpp
+from avatarstream.parallel.start import run_tpp
+from avatarstream.parallel.tpp import TPPJob
 from avatarstream.weights.liveavatar_folder import write_official_folder
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -43,7 +47,12 @@ def job(media, tmp_path_factory):  # noqa: ANN001
     models.config.seed = 3
     ref = load_reference(str(media["png"]), size=models.config.out_hw, max_frames=1)
     sink = CollectSink()
-    Pipeline(models).run(ref.frames, iter(AudioReader(str(wav))), [sink])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks (threads=1); a module fixture runs before `one_thread`
+    try:
+        Pipeline(models).run(ref.frames, iter(AudioReader(str(wav))), [sink])
+    finally:
+        torch.set_num_threads(threads)
     return {"model": f"liveavatar:{root}", "png": str(media["png"]), "wav": str(wav), "dir": d,
             "seq": np.stack(sink.frames)}
 
@@ -57,7 +66,8 @@ def test_cli_tpp_equals_single_process(job, workers, shares):
     assert s["step_shares"] == shares and s["frames"] == job["seq"].shape[0] == 60
     # the decode rank never read the DiT's shards; the denoise ranks no refiner (there is none)
     assert all("dit" in p for p in s["rank_parts"][:workers]) and "dit" not in s["rank_parts"][-1]
-    assert np.array_equal(read_frames(out, 64), job["seq"])
+    got = read_frames(out, 64)
+    assert got.shape == job["seq"].shape and np.abs(got.astype(int) - job["seq"]).max() <= 1
 
 
 def test_torchrun_tpp_equals_single_process(job):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from avatarstream.parallel.run import read_frames
-from avatarstream.parallel.tpp import TPPJob, run_tpp, split_steps
+from avatarstream.parallel.start import run_tpp
+from avatarstream.parallel.tpp import TPPJob, split_steps
 
 from conftest import run_cli
 

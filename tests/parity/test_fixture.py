@@ -48,3 +48,50 @@ def test_family_not_yet_supported_says_so(monkeypatch):
     monkeypatch.setitem(FAMILIES, "liveavatar-dit", None)
     with pytest.raises(ConfigError, match="not yet supported"):
         run_parity(GOLDEN / "liveavatar-dit-a.safetensors")
+
+
+# one fixture per family (the quickest to run)
+FAMILY_FIXTURES = {"flashhead-dit": "flashhead-dit-lite-a", "liveavatar-dit": "liveavatar-dit-a", "umt5": "umt5-a",
+                   "ltx-vae": "ltx-vae-a", "wan-vae": "wan-vae-a", "wav2vec2": "wav2vec2-flashhead-a"}
+
+
+def test_every_family_has_a_measured_bound():
+    """Each family's default bound (fixture.py: at least 4x the worst figure measured on its
+    fixtures, 1e-5 at the least) is tight enough that an error of 5e-5 fails."""
+    from avatarstream.parity import FAMILIES
+    from avatarstream.parity.fixture import FAMILY_TOLERANCE
+
+    assert set(FAMILY_TOLERANCE) == set(FAMILIES) == set(FAMILY_FIXTURES)
+    assert all(1e-5 <= t < 5e-5 for t in FAMILY_TOLERANCE.values())
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
+def test_an_error_of_5e_5_fails_by_default(family, tmp_path):
+    """One expected value moved by 5e-5 (a regression the old bound of 1e-4 let pass) fails at
+    the family's default bound; `tolerance` still overrides it."""
+    from avatarstream.parity.fixture import FAMILY_TOLERANCE, run_parity
+
+    from .helpers import rewrite_fixture
+
+    src = GOLDEN / f"{FAMILY_FIXTURES[family]}.safetensors"
+    fx = load_fixture(src)
+    name = sorted(fx.expected)[0]
+    moved = fx.expected[name].clone()
+    moved.view(-1)[0] += 5e-5
+    res = run_parity(rewrite_fixture(src, tmp_path / "moved.safetensors", expected={name: moved}))
+    assert res["family"] == family and res["tolerance"] == FAMILY_TOLERANCE[family]
+    assert not res["pass"] and 4e-5 < res["outputs"][name] <= 1e-4, res["outputs"]
+    assert run_parity(tmp_path / "moved.safetensors", tolerance=1e-4)["pass"]
+
+
+def test_cli_default_bound_and_override(tmp_path):
+    """`models parity` passes at the family's bound, reports it, and `--tolerance` replaces it
+    (wan-vae-a measures 4.3e-6: over a bound of 1e-6)."""
+    path = GOLDEN / "wan-vae-a.safetensors"
+    r = run_cli("models", "parity", str(path), "--json")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and out["pass"] and out["tolerance"] == 2e-5
+    r = run_cli("models", "parity", str(path), "--json", "--tolerance", "1e-6")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 1 and not out["pass"] and out["tolerance"] == 1e-6

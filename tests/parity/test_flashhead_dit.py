@@ -11,7 +11,7 @@ from conftest import run_cli
 
 from avatarstream.errors import InputError
 from avatarstream.parity import flashhead_dit
-from avatarstream.parity.fixture import load_fixture, run_parity
+from avatarstream.parity.fixture import FAMILY_TOLERANCE, load_fixture, run_parity
 
 from .helpers import GOLDEN, cli_parity, rewrite_fixture
 
@@ -21,9 +21,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("path", [PRO, LITE], ids=["pro", "lite"])
 def test_cli_parity_passes(path: Path) -> None:
+    """Measured (torch 2.13, AMD EPYC, 1 and 2 threads): Pro 1.19e-6, Lite 1.67e-6; the family's
+    bound, 1e-5, is 6x the larger."""
     out = cli_parity(path)
-    print(path.name, out["max_abs_diff"])  # ~1e-6 (Pro 1.2e-6, Lite 1.7e-6 on torch 2.13 CPU)
-    assert out["pass"] and out["family"] == "flashhead-dit" and out["max_abs_diff"] < 1e-5
+    print(path.name, out["max_abs_diff"])
+    assert out["family"] == "flashhead-dit" and out["tolerance"] == FAMILY_TOLERANCE["flashhead-dit"] == 1e-5
+    assert out["pass"] and out["max_abs_diff"] <= out["tolerance"]
 
 
 def test_a_wrong_motion_hand_off_is_caught() -> None:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from avatarstream.errors import InputError
 from avatarstream.models.ltx import LTXVAEConfig, LTXVideoVAE
-from avatarstream.parity.fixture import load_fixture, run_parity
+from avatarstream.parity.fixture import FAMILY_TOLERANCE, load_fixture, run_parity
 from avatarstream.parity.ltx_vae import run
 from avatarstream.weights.ltx import load_ltx_vae, ltx_vae_adapter, ltx_vae_config
 from avatarstream.weights.official import read_state
@@ -42,15 +42,18 @@ LTX_09 = {"_class_name": "CausalVideoAutoencoder", "dims": 3, "in_channels": 3, 
 
 
 def test_cli_parity_passes() -> None:
+    """Measured 0 (decoded and encoded_mode; torch 2.13, AMD EPYC, 1 and 2 threads); the
+    family's bound is the floor, 1e-5 (another CPU sums the convolutions in another order)."""
     out = cli_parity(LTX)
-    print(LTX.name, out["max_abs_diff"])  # 0.0 (decoded and encoded_mode) on torch 2.13 CPU
-    assert out["pass"] and out["family"] == "ltx-vae" and out["max_abs_diff"] < 1e-5
+    print(LTX.name, out["max_abs_diff"])
+    assert out["family"] == "ltx-vae" and out["tolerance"] == FAMILY_TOLERANCE["ltx-vae"] == 1e-5
+    assert out["pass"] and out["max_abs_diff"] <= out["tolerance"]
 
 
 def test_every_output_is_checked() -> None:
     result = run_parity(LTX)
     assert set(result["outputs"]) == {"decoded", "encoded_mode"}
-    assert all(d < 1e-5 for d in result["outputs"].values()), result["outputs"]
+    assert result["pass"] and all(d <= FAMILY_TOLERANCE["ltx-vae"] for d in result["outputs"].values())
 
 
 def test_real_configs_both_forms() -> None:

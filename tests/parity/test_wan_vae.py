@@ -1,4 +1,4 @@
-"""Wan2.1 VAE against the official code (`wan-vae` fixture, shared/golden README §2.2): the CLI
+"""Wan2.1 VAE against the official code (`wan-vae` fixture, docs/parity-fixtures.md): the CLI
 passes, every output is within the README's recommended bound, the streamed decode equals the
 whole one on the fixture's weights, a `.pth` state dict loads through the same loader, and bad
 fixtures are one clear error."""
@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from avatarstream.errors import InputError
-from avatarstream.parity.fixture import load_fixture, run_parity
+from avatarstream.parity.fixture import FAMILY_TOLERANCE, load_fixture, run_parity
 from avatarstream.weights.wan import load_wan_vae, wan_vae_config
 from avatarstream.weights.official import read_state
 
@@ -28,9 +28,12 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "wan-vae
 
 
 def test_cli_passes_with_max_abs_diff():
+    """Measured 4.29e-6 (the decodes; torch 2.13, AMD EPYC, 1 and 2 threads): the family's bound,
+    2e-5, is 4.7x that."""
     out = cli_parity(FIXTURE)
     print(f"wan-vae parity: max abs diff {out['max_abs_diff']:.3g}")
-    assert out["family"] == "wan-vae" and out["pass"] and out["max_abs_diff"] <= 1e-4
+    assert out["family"] == "wan-vae" and out["tolerance"] == FAMILY_TOLERANCE["wan-vae"] == 2e-5
+    assert out["pass"] and out["max_abs_diff"] <= out["tolerance"]
 
 
 def test_every_output_within_the_recommended_bound():

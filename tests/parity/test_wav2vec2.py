@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from avatarstream.errors import InputError
 from avatarstream.models.wav2vec2 import FlashHeadAudioConfig, FlashHeadAudioStream
 from avatarstream.parity import wav2vec2
-from avatarstream.parity.fixture import load_fixture, run_parity
+from avatarstream.parity.fixture import FAMILY_TOLERANCE, load_fixture, run_parity
 from avatarstream.weights.wav2vec2 import load_wav2vec2, load_wav2vec2_folder
 
 from .helpers import GOLDEN, cli_parity, rewrite_fixture
@@ -26,11 +26,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("path", [LIVEAVATAR, FLASHHEAD], ids=["liveavatar", "flashhead"])
 def test_cli_parity_passes(path: Path) -> None:
+    """~5e-6 of values up to 7.6 (torch 2.13, AMD EPYC: liveavatar 5.30e-6 at 1 thread, 5.01e-6
+    at 2; flashhead 4.41e-6 / 4.35e-6; transformers 4.51.3 itself lands 6.2e-6 from the stored
+    tensors, and our port equals it exactly): the family's bound, 3e-5, is 5.7x the largest."""
     out = cli_parity(path)
-    # ~5e-6 of values up to 7.6 (liveavatar 5.0e-6, flashhead 4.4e-6 on torch 2.13 CPU); transformers
-    # 4.51.3 itself lands 6.2e-6 from the stored tensors here and our port equals it exactly
     print(path.name, out["max_abs_diff"])
-    assert out["pass"] and out["family"] == "wav2vec2" and out["max_abs_diff"] < 1e-5
+    assert out["family"] == "wav2vec2" and out["tolerance"] == FAMILY_TOLERANCE["wav2vec2"] == 3e-5
+    assert out["pass"] and out["max_abs_diff"] <= out["tolerance"]
 
 
 def test_every_expected_tensor_is_reproduced() -> None:
@@ -52,7 +54,7 @@ def test_the_stream_gives_the_fixture_windows() -> None:
         stream.push(piece)
     with torch.inference_mode():
         got = stream.context()
-    assert (got - fx.expected["audio_embedding"]).abs().max() < 1e-5
+    assert (got - fx.expected["audio_embedding"]).abs().max() <= FAMILY_TOLERANCE["wav2vec2"]  # measured 2.1e-6
 
 
 def test_both_weight_norm_forms_and_the_hf_prefix_load_the_same() -> None:
@@ -119,7 +121,8 @@ def test_the_fixtures_catch_the_two_quirks() -> None:
         states = liveavatar_states(net, fx.inputs["waveform"])
         raw_last = net.encoder.layers[-1](states[-2:-1])[0]
     want = fx.expected["hidden_states"]
-    assert (states[-1] - want[-1]).abs().max() < 1e-5 and (raw_last - want[-1]).abs().max() > 1e-1
+    assert (states[-1] - want[-1]).abs().max() <= FAMILY_TOLERANCE["wav2vec2"]
+    assert (raw_last - want[-1]).abs().max() > 1e-1
 
     fx = load_fixture(FLASHHEAD)
     net = load_wav2vec2(fx.weights, fx.config)
@@ -128,4 +131,4 @@ def test_the_fixtures_catch_the_two_quirks() -> None:
         good = flashhead_states(net, fx.inputs["waveform"], cfg)
         late = resample_frames(net(normalize_waveform(fx.inputs["waveform"])[None])[:, 0], good.shape[1])
     want = fx.expected["hidden_states"]
-    assert (good - want).abs().max() < 1e-5 and (late - want).abs().max() > 1e-1
+    assert (good - want).abs().max() <= FAMILY_TOLERANCE["wav2vec2"] and (late - want).abs().max() > 1e-1

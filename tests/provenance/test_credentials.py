@@ -24,11 +24,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from avatarstream.errors import ConfigError
-from avatarstream.media.image import write_png
-from avatarstream.media.synthetic import face_image, speechlike, write_wav
 from avatarstream.provenance.credentials import (
     GENERATION_LABEL, LOCAL_ORG, TRAINED_ALGORITHMIC_MEDIA, ContentCredentials, credentials_for,
-    issue_certificate, load_identity, local_identity, local_paths, model_label)
+    load_identity, local_identity, local_paths, model_label)
 from conftest import run_cli
 
 from .clips import FPS, decoded, top_boxes, write_clip
@@ -60,19 +58,8 @@ def bare_self_signed(folder: Path) -> tuple[Path, Path]:
     return folder / "bare.pem", folder / "bare.key"
 
 
-@pytest.fixture(scope="module")
-def user_cert(tmp_path_factory) -> tuple[Path, Path]:
-    d = tmp_path_factory.mktemp("user-cert")
-    issue_certificate(d / "ca.pem", d / "chain.pem", d / "key.pem", organization="Example Newsroom")
-    return d / "chain.pem", d / "key.pem"
-
-
-def test_generate_output_carries_a_valid_ai_generated_manifest(tmp_path):
-    audio = write_wav(tmp_path / "speech.wav", speechlike(1.0))
-    ref = write_png(tmp_path / "ref.png", face_image(128))
-    out = tmp_path / "talk.mp4"
-    r = run_cli("generate", "--reference", str(ref), "--audio", str(audio), "--out", str(out),
-                "--no-progress", "--json")
+def test_generate_output_carries_a_valid_ai_generated_manifest(generated):
+    out, r = generated  # the session's default bundled-model run (tests/provenance/conftest.py)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert "SELF-SIGNED" in r.stdout and "UNTRUSTED" in r.stdout
@@ -92,7 +79,7 @@ def test_generate_output_carries_a_valid_ai_generated_manifest(tmp_path):
     assert "moof" in top_boxes(out)  # still the fragmented MP4 the sink wrote
     with av.open(str(out)) as c:
         assert sum(1 for _ in c.decode(video=0)) == summary["frames"] == FPS
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.png", "speech.wav", "talk.mp4"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ref.png", "speech.wav", "talk.mp4"]
 
 
 def test_signing_keeps_the_fragmented_file_frame_for_frame(tmp_path):
@@ -118,14 +105,9 @@ def test_signing_keeps_the_fragmented_file_frame_for_frame(tmp_path):
     assert state == "Invalid" and "assertion.bmffHash.mismatch" in failures
 
 
-def test_user_certificate_is_used(tmp_path, user_cert, monkeypatch):
+def test_user_certificate_is_used(generated_unmarked_user_signed, user_cert, monkeypatch):
     cert, key = user_cert
-    audio = write_wav(tmp_path / "speech.wav", speechlike(1.0))
-    ref = write_png(tmp_path / "ref.png", face_image(128))
-    out = tmp_path / "a.mp4"
-    r = run_cli("generate", "--reference", str(ref), "--audio", str(audio), "--out", str(out),
-                "--model", "tiny-random", "--no-progress", "--json", "--sign-cert", str(cert),
-                "--sign-key", str(key))
+    out, r = generated_unmarked_user_signed  # `generate --sign-cert/--sign-key` (and --no-watermark)
     assert r.returncode == 0, r.stderr
     cc = json.loads(r.stdout.strip().splitlines()[-1])["content_credentials"]
     assert cc["signed"] and not cc["self_signed"] and cc["signer"] == "Example Newsroom signer"

@@ -20,7 +20,6 @@ from avatarstream.engine.publisher import Publisher
 from avatarstream.errors import InputError
 from avatarstream.eval.metrics import psnr_ssim
 from avatarstream.provenance import watermark as wm
-from conftest import run_cli
 from engine.mock_models import ListSink
 
 FPS = 25
@@ -131,15 +130,12 @@ def test_detect_video_of_a_file_that_is_no_video_is_one_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_output_is_marked_and_no_watermark_is_not(media, tmp_path):
+def test_generate_output_is_marked_and_no_watermark_is_not(generated, generated_unmarked_user_signed):
     """`generate` with the bundled model: the file is detected as marked (a real H.264 file through
-    the file sink); `--no-watermark` makes one that is not."""
+    the file sink); `--no-watermark` makes one that is not (the session's shared runs, 1 s each)."""
     results = {}
-    for flag in ([], ["--no-watermark"]):
-        out = tmp_path / f"out{len(flag)}.mp4"
-        r = run_cli("generate", "--reference", str(media["png"]), "--audio", str(media["wav_3s"]),
-                    "--out", str(out), "--no-progress", *flag)
+    for flag, (out, r) in ((False, generated), (True, generated_unmarked_user_signed)):
         assert r.returncode == 0, r.stderr
-        results[bool(flag)] = wm.detect_video(str(out))
+        results[flag] = wm.detect_video(str(out))
     assert results[False].detected and results[False].bit_accuracy == 1.0, results[False]
     assert not results[True].detected and results[True].p_value > 1e-3, results[True]

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
+from pathlib import Path
 
 import av
 import numpy as np
 import pytest
 
+from avatarstream.provenance.credentials import signing_identity
 from avatarstream.serve.app import AVATARS, SESSIONS
 from avatarstream.serve.openapi import openapi_schema
 
@@ -272,6 +275,11 @@ def test_render_job_writes_a_file_with_progress(tmp_path):
             seen.append(job["progress"])
         assert job["state"] == "done" and job["progress"] == 1.0 and job["frames"] == 50
         assert seen == sorted(seen)
+        # signed, and no path of the server's in the answer (issue 37: the certificate's was)
+        assert job["content_credentials"]["signed"] is True
+        text = json.dumps(job)
+        for server_path in (str(signing_identity().certificate), str(tmp_path), str(Path.home())):
+            assert server_path not in text, (server_path, text)
         assert (await client.get(f"/v1/renders/{job['id']}", headers=B)).status == 404
         r = await client.get(job["output_url"], headers=A)
         assert r.status == 200

@@ -13,6 +13,7 @@ Footage is our renderer's, in curate's contract: string identities and scenes, p
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,63 @@ def test_footage_pairs(footage, tmp_path):
     (derived / "index.json").write_text(json.dumps(idx))
     with pytest.raises(InputError, match="no cross-scene pair"):
         Footage(derived)
+
+
+def _with_entry(footage: Path, to: Path, **change: str) -> Path:
+    """A copy of the footage whose first index entry has `change` (key/shard) applied."""
+    shutil.copytree(footage, to, symlinks=True)
+    idx = json.loads((to / "index.json").read_text())
+    idx["clips"][0].update(change)
+    (to / "index.json").write_text(json.dumps(idx))
+    (to / "pairs.json").unlink()
+    return to
+
+
+def test_shard_keys_that_leave_the_footage_folder_are_refused(footage, tmp_path, capsys):
+    """A key or shard with `..`, an absolute one, or a clip file / shard folder that is a symlink
+    out of the folder: one clear InputError before anything is read (before: followed)."""
+    from avatarstream.cli import main
+
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(footage / "shard-00000", outside)
+    key = json.loads((footage / "index.json").read_text())["clips"][0]["key"]
+    cases = {"dotdot": {"key": f"../../elsewhere/{key}"}, "shard": {"shard": "../elsewhere"},
+             "absolute": {"shard": str(outside)}}
+    for name, change in cases.items():
+        with pytest.raises(InputError, match="outside the footage folder"):
+            Footage(_with_entry(footage, tmp_path / name, **change))
+    linked = _with_entry(footage, tmp_path / "linked")
+    (linked / "shard-00000" / f"{key}.mkv").unlink()
+    (linked / "shard-00000" / f"{key}.mkv").symlink_to(outside / f"{key}.mkv")
+    with pytest.raises(InputError, match=r"its \.mkv file leads outside its shard folder"):
+        Footage(linked)
+    folder = _with_entry(footage, tmp_path / "folder", shard="linked-shard")
+    (folder / "linked-shard").symlink_to(outside)
+    with pytest.raises(InputError, match="its shard folder leads outside"):
+        Footage(folder)
+    assert len(Footage(_with_entry(footage, tmp_path / "fine")).pairs) == 4  # a plain copy reads
+    assert main(["train", "personality", "--base", "tiny-random", "--footage", str(tmp_path / "dotdot"),
+                 "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # a progress line, then the error: one line
+    assert err[-1].startswith("avatarstream: error: --footage") and "outside the footage folder" in err[-1], err
+    assert len(err) == 2 and "Traceback" not in "\n".join(err), err
+
+
+def test_the_command_shows_a_progress_bar_and_keeps_stdout_for_the_summary(footage, tmp_path):
+    cmd = [sys.executable, "-m", "avatarstream.cli", "train", "personality", "--base", "tiny-random",
+           "--footage", str(footage), "--run-dir", str(tmp_path / "run"), "--steps", "3", "--batch", "1",
+           "--rank", "2", "--eval-draws", "0", "--threads", "1", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    err = p.stderr
+    assert err.startswith("train personality: loading tiny-random and the footage of")
+    assert "train personality: ours, 4 cross-scene pairs" in err
+    assert "train personality: 100%" in err and "3/3 [" in err and "loss=" in err
+    assert re.search(r"3/3 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+(step/s|s/step), loss=[\d.]+\]", err), err  # rate, ETA
+    assert json.loads(p.stdout.strip().splitlines()[-1])["step"] == 3
+    quiet = subprocess.run([*cmd[:-1], "--run-dir", str(tmp_path / "run2"), "--no-progress", "--json"],
+                           capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "train personality" not in quiet.stderr
 
 
 # -- our model ---------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ KEYS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "real-mode
 
 def meta_download(root: Path, keys: dict = KEYS, lora_pairs: int | None = None) -> Path:
     """A full-size download of headers and holes: the DiT in 4 bf16 shards + index, the LoRA's 896
-    tensors, the Wan2.1 VAE .pth (stride-0 tensors) and wav2vec2-large (liveavatar.md §1)."""
+    tensors, the Wan2.1 VAE .pth (stride-0 tensors) and wav2vec2-large (docs/real-models.md, LiveAvatar's table)."""
     base = root / laf.BASE_DIR
     names = list(keys)
     weight_map = {}
@@ -58,7 +58,7 @@ def by_family(report: dict) -> dict[str, dict]:
 
 def test_full_size_download_through_the_cli(tmp_path: Path) -> None:
     """Issue 29's counts: 16.296 B DiT parameters in 1260 tensors, 896 LoRA tensors = 448 pairs; the
-    plans at 720x400 with liveavatar.md §8's ring (11.1 GB a step), sink (2.3 GB) and DiT (32.6 GB)."""
+    plans at 720x400 with docs/real-models.md "Memory plans"' ring (11.1 GB a step), sink (2.3 GB) and DiT (32.6 GB)."""
     root = meta_download(tmp_path / "ckpt")
     r = run_cli("models", "check", str(root), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -68,7 +68,7 @@ def test_full_size_download_through_the_cli(tmp_path: Path) -> None:
     assert (dit["tensors"], dit["parameters"], dit["released"], dit["dtypes"]) == (1260, 16_295_755_609, True, {"BF16": 1260})
     assert round(dit["parameters"] / 1e9, 3) == 16.296 and dit["used_tensors"] == 1260
     assert (lora["tensors"], lora["lora"]["pairs"], lora["lora"]["expected_pairs"], lora["lora"]["scale"]) == (896, 448, 448, 0.5)
-    assert round(lora["parameters"] / 1e6, 1) == 676.3  # liveavatar.md §1
+    assert round(lora["parameters"] / 1e6, 1) == 676.3  # docs/real-models.md, LiveAvatar's table
     assert n["wav2vec2"]["variant"] == "large" and n["wan-vae"]["released"]
     m = report["models"]["liveavatar"]
     assert m["assumed"] == [] and m["geometry"]["size"] == "720x400"

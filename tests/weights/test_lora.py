@@ -143,12 +143,14 @@ def test_unmatched_half_and_wrong_shape() -> None:
     lora["base_model.model.head.lora_B.weight"] = torch.zeros(8, 4)
     del lora["base_model.model.blocks.0.ffn.0.lora_B.weight"]
     lora["base_model.model.blocks.0.ffn.2.lora_A.weight"] = torch.zeros(3, 24)
-    with pytest.raises(InputError) as e:
-        merge_lora(net, lora, SETTINGS)
-    msg = str(e.value)
+    targets = target_modules({k: tuple(p.shape) for k, p in net.named_parameters()}, SETTINGS)
+    msg = "\n".join(match_lora({k: tuple(t.shape) for k, t in lora.items()}, targets, SETTINGS, "x").problems)
     assert "1 LoRA module(s) the network has no target for: 'head'" in msg
     assert "only one of lora_A/lora_B: 'blocks.0.ffn.0'" in msg
-    assert "'base_model.model.blocks.0.ffn.2.lora_A.weight' has shape [3, 24], expected [4, 24]" in msg
+    assert "'base_model.model.blocks.0.ffn.2.lora_A.weight' is [3, 24], expected [4, 24]" in msg
+    with pytest.raises(InputError) as e:  # the error: the first two and how many more, one line
+        merge_lora(net, lora, SETTINGS)
+    assert str(e.value).endswith("(and 1 more problem(s))") and "\n" not in str(e.value)
 
 
 def test_both_forms_of_one_module() -> None:

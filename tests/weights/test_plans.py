@@ -1,5 +1,5 @@
 """LiveAvatar memory plans (weights/plans.py) from the real checkpoint's key list and config: the
-figures of liveavatar.md §8 (ring 11.1 GB a step at 720x400, sink 2.3 GB, DiT 32.6 GB in bf16),
+figures of docs/real-models.md "Memory plans" (ring 11.1 GB a step at 720x400, sink 2.3 GB, DiT 32.6 GB in bf16),
 the token counts the official code allocates for, and the plans' arithmetic."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ CFG = LiveAvatarConfig.full()
 @pytest.fixture(scope="module")
 def sizes() -> Sizes:
     whole, unit, resident = dit_sizes(KEYS, CFG.audio_inject_layers)
-    # Wan2.1 VAE 126.9 M and wav2vec2-large 315.5 M parameters (liveavatar.md §1), bf16
+    # Wan2.1 VAE 126.9 M and wav2vec2-large 315.5 M parameters (docs/real-models.md, LiveAvatar's table), bf16
     return Sizes(dim=CFG.dim, layers=CFG.num_layers, ffn_dim=CFG.ffn_dim, dit=whole, unit=unit,
                  resident=resident, vae=2 * 126_900_000, audio=2 * 315_500_000)
 

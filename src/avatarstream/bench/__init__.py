@@ -23,5 +23,6 @@ BENCHMARKS: dict[str, str] = {
     "strategies": "avatarstream.bench.strategies",
     "switch": "avatarstream.bench.switch",
     "soak": "avatarstream.bench.soak",
+    "server-soak": "avatarstream.bench.server_soak",
     "watermark": "avatarstream.bench.watermark",
 }

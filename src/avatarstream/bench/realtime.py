@@ -23,6 +23,9 @@ fragmented MP4) and reports, from that run:
 
 Defaults: the default model (the bundled one when present), `examples/reference.png`,
 `examples/speech.mp3` (a held-out identity and a held-out voice), all CPU cores.
+
+Progress: a bar on stderr (tqdm: runs done of 2 x --repeat, what runs now, the last rtf;
+`--no-progress`: none); stdout keeps the JSON object as its last line.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None, metavar="WxH", help=SIZE_HELP)
     p.add_argument("--decode-inline", action="store_true",
                    help="decode in the generating thread (the A/B of the overlapped decode)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def generate_once(model: str, reference: str, audio: str, *, steps: int | None = None,
@@ -118,8 +122,10 @@ def run(args: argparse.Namespace) -> dict:
     size_args = [] if args.size is None else ["--size", args.size]
     best = None
     best_off = 0.0  # rtf without the watermark, measured beside each marked run
+    bar = _bar(2 * args.repeat, getattr(args, "no_progress", False))
     for i in range(args.repeat):
         for marked in ((True, False) if i % 2 == 0 else (False, True)):  # neither always first
+            bar.set_postfix_str(f"generate {model}, watermark {'on' if marked else 'off'}")
             summary, process_s, out = generate_once(
                 model, args.reference, args.audio, steps=args.steps, strategy=args.strategy,
                 threads=args.threads, extra=["--device", args.device, *size_args]
@@ -128,10 +134,13 @@ def run(args: argparse.Namespace) -> dict:
             out.parent.rmdir()
             r = summarise(summary, process_s)
             r["threads"] = summary["threads"]  # what generate used (its own default unless --threads)
+            bar.update(1)
+            bar.set_postfix_str(f"last rtf {r['rtf']:.2f} (watermark {'on' if marked else 'off'})")
             if not marked:
                 best_off = max(best_off, r["rtf"])
             elif best is None or r["rtf"] > best["rtf"]:
                 best = r
+    bar.close()
     assert best is not None
     return {**best, "model": model, "steps": args.steps or pipe.steps, "strategy": args.strategy or pipe.strategy,
             "threads": best["threads"], "resolution": pipe.hr_size, "size": f"{pipe.out_hw[1]}x{pipe.out_hw[0]}",
@@ -139,6 +148,18 @@ def run(args: argparse.Namespace) -> dict:
             "watermark": True, "rtf_no_watermark": best_off,
             "watermark_rtf_ratio": round(best["rtf"] / best_off, 3) if best_off else None,
             "watermark_ms_per_frame": round(embed_ms_per_frame(*pipe.out_hw), 3)}
+
+
+def _bar(total: int, off: bool):  # noqa: ANN202 - a tqdm bar
+    """The progress bar on stderr (disabled: draws nothing)."""
+    import sys
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="bench realtime", unit="run", file=sys.stderr, disable=off,
+               dynamic_ncols=True, bar_format="{desc}: {n}/{total} runs [{elapsed}<{remaining}{postfix}]")
+    bar.refresh()  # at once: the first run takes a while
+    return bar
 
 
 def embed_ms_per_frame(height: int, width: int, frames: int = 8, repeats: int = 5) -> float:

@@ -4,12 +4,18 @@ user runs it (`--events`: one line per chunk), then the written MP4 read back.
 Measures per minute of media:
 - `rss_mb` / `rss_min_mb` / `rss_max_mb`: the generate process's VmRSS, sampled at each chunk it
   publishes, median / floor / peak over the chunks of that minute of media.
-- `av_offset_ms`: when the file presents the video frame made for media time T minus when it
-  presents the input audio of T; > 0: video late. The sink stamps each video frame with its
-  timeline index (publish/file.py), the index the model generated it for, so the frame for T is
-  presented at T; the audio of T is presented at T + (audio frame pts - samples decoded before it
-  / rate) + the decoded audio's content shift against the input track (cross-correlation within
-  +-0.2 s: an audio stream whose timestamps are right but whose samples moved counts too).
+- `av_offset_ms` = `video_delay_ms` - `audio_delay_ms`: when the file presents the video frame
+  made for media time T minus when it presents the input audio of T; > 0: video late. Both sides
+  are read from the file:
+  - `video_delay_ms`: when the frame made for T is presented, minus T. generate publishes every
+    frame from timeline frame 0 on, so the frame whose index (pts * fps, rounded) is the first
+    frame's + k was made for k / fps: its delay is its pts - k / fps. A video track stamped late
+    or early as a whole (its first frame not at 0) shows here; a frame missing inside the file
+    counts under `dropped`, not here.
+  - `audio_delay_ms`: the audio of T is presented at T + (audio frame pts - samples decoded
+    before it / rate) + the decoded audio's content shift against the input track
+    (`audio_shift_ms`: cross-correlation within +-0.2 s: an audio stream whose timestamps are
+    right but whose samples moved counts too).
   Medians over the minute.
 - `dropped` / `duplicated`: gaps in / repeats of the video frame indices (pts * fps).
 - `frames` / `expected_frames`: video frames in the file vs the input's length at the model's fps.
@@ -112,14 +118,19 @@ def report(summary: dict, media: np.ndarray, rss: np.ndarray, wall: float, out: 
     missing, repeat = frame_steps(index)
     d_a = apts - before / rate  # [audio frames] presentation time - position in the samples
     a_t = before / rate
+    d_v = vpts - (index - index[:1]) / fps  # [frames] presentation time - the media time it was made for
     per_minute = []
     for m, win in enumerate(minute_windows(seconds)):
         ok = in_window(vpts, win)
         shift = audio_shift_s(source, decoded, round(win[0] * rate), round(win[1] * rate), rate)
         da = median_or_none(d_a[in_window(a_t, win)] * 1000)
+        dv = median_or_none(d_v[ok] * 1000)
+        audio = None if da is None or shift is None else da + 1000 * shift
         per_minute.append({
             "minute": m + 1, "seconds": round(win[1] - win[0], 1),
-            "av_offset_ms": None if da is None or shift is None else round(-da - 1000 * shift, 1) + 0.0,  # no -0.0
+            "av_offset_ms": None if dv is None or audio is None else round(dv - audio, 1) + 0.0,  # no -0.0
+            "video_delay_ms": None if dv is None else dv + 0.0,
+            "audio_delay_ms": None if audio is None else round(audio, 1) + 0.0,
             "audio_shift_ms": None if shift is None else round(1000 * shift, 1),
             "frames": int(ok.sum()), "expected_frames": int(round((win[1] - win[0]) * fps)),
             "dropped": int(missing[ok].sum()), "duplicated": int(repeat[ok].sum()),

@@ -5,13 +5,16 @@ the executors and the live scheduler all read these; the registry builds them.
 Geometry: the output video is `height` x `width` pixels, or `hr_size` square when neither is set
 (every config written before non-square video existed). A model with a refiner generates at
 `lr_size / hr_size` of that; latents are `spatial_stride` times smaller again, and the DiT folds
-`patch_size` x `patch_size` latents into a token, so each side must be a multiple of
-`pixel_multiple` output pixels (`check_geometry` says which, with the reason).
+`patch_size` x `patch_size` latents into a token (the refiner `refiner_patch` x `refiner_patch` of
+the output's latents), so each side must be a multiple of `pixel_multiple` output pixels
+(`check_geometry` says which, with the reason and the nearest sizes that work). A model of our own
+family takes both patch sizes from its networks' configs (`weights/spec.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +76,7 @@ class PipelineConfig:
     width: int | None = None
     spatial_stride: int = 8  # pixels per latent side (the VAE's; LTX: 32)
     patch_size: int = 2  # latents per DiT token side (FlashHead Lite: 1)
+    refiner_patch: int = 1  # latents per refiner token side, at the output's latents
 
     def __post_init__(self) -> None:
         if (self.height is None) != (self.width is None):
@@ -101,8 +105,10 @@ class PipelineConfig:
     @property
     def pixel_multiple(self) -> int:
         """What each side of the output must be a multiple of: one DiT token's pixels, times the
-        refiner's upscale (a whole number of tokens at the DiT's resolution)."""
-        return self.spatial_stride * self.patch_size * self.hr_size // self.lr_size
+        refiner's upscale (a whole number of tokens at the DiT's resolution), and one refiner
+        token's pixels (a whole number of them at the output's)."""
+        dit = self.spatial_stride * self.patch_size * self.hr_size // self.lr_size
+        return math.lcm(dit, self.spatial_stride * self.refiner_patch)
 
     def check_geometry(self) -> None:
         """A ConfigError naming the multiple when the output size cannot be generated."""
@@ -112,8 +118,12 @@ class PipelineConfig:
             up = self.hr_size // self.lr_size
             why = (f"{self.spatial_stride}x smaller latents, {self.patch_size}x{self.patch_size} latents "
                    f"a token" + (f", generated at 1/{up} of the output and upscaled" if up > 1 else ""))
+            lo = [max(m, s // m * m) for s in (w, h)]  # each side rounded down, and up
+            hi = [max(m, -(-s // m) * m) for s in (w, h)]
+            sizes = dict.fromkeys(f"{x}x{y}" for x, y in (lo, hi))  # in order, once each
             raise ConfigError(f"video size {w}x{h} (width x height): both sides must be positive "
-                              f"multiples of {m} pixels for this model ({why})")
+                              f"multiples of {m} pixels for this model ({why}); the nearest sizes "
+                              f"that work: {' or '.join(sizes)}")
 
     def with_size(self, height: int, width: int) -> PipelineConfig:
         """This config rendering `height` x `width` pixels (checked: `check_geometry`)."""
@@ -146,9 +156,11 @@ class PipelineConfig:
                               guidance=self.guidance if self.guidance_input else None)
 
 
+MAX_SIDE = 4096  # pixels: --size beyond this is refused (a 4K frame is 3840x2160)
 SIZE_HELP = ("video size in pixels, WIDTHxHEIGHT (e.g. 512x288) or one number for a square "
              "(default: the model's); each side a multiple of what the model needs (16 for "
-             "FlashHead Pro, 32 for Lite and the bundled model)")
+             "FlashHead Pro, 32 for Lite and the bundled model; an error names the nearest sizes), "
+             f"at most {MAX_SIDE}")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -163,6 +175,8 @@ def parse_size(text: str) -> tuple[int, int]:
         raise ConfigError(f"--size {text!r}: give WIDTHxHEIGHT in pixels (e.g. 512x288) or one number "
                           "for a square")
     width, height = nums if len(nums) == 2 else nums * 2
+    if max(width, height) > MAX_SIDE:
+        raise ConfigError(f"--size {text!r}: each side may be at most {MAX_SIDE} pixels")
     return height, width
 
 

@@ -1,4 +1,4 @@
-"""HandoffSchedule: FlashHead's continuity (flashhead.md §5, stream mode) as a continuity schedule.
+"""HandoffSchedule: FlashHead's continuity (docs/real-models.md, "The official FlashHead loop") as a continuity schedule.
 
 Every chunk is a whole `chunk`-latent window denoised with full attention. Its first latents are
 *given*: chunk 0 the scene frame (the reference's latent 0: `SCENE_CHUNK`), every later chunk the

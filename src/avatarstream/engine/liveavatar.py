@@ -1,4 +1,4 @@
-"""LiveAvatarDenoiser: one stream's rolling state of LiveAvatar's block-causal DiT (liveavatar.md §3).
+"""LiveAvatarDenoiser: one stream's rolling state of LiveAvatar's block-causal DiT (docs/real-models.md, "Streaming state").
 
 What LiveAvatar keeps per stream, constant in its length:
 - the prompt's text K/V (`LiveAvatarDiT.text_cache`, made once);
@@ -12,7 +12,7 @@ What LiveAvatar keeps per stream, constant in its length:
 Step i of block b is `x ← x + (σ[i+1] − σ[i])·v(x, t = 1000·σ[i])` in float32 (diffusers' Euler
 step over LiveAvatar's σ table, `SIGMAS`).
 
-Two choices differ from the official code, knowingly (liveavatar.md §10):
+Two choices differ from the official code, knowingly (docs/real-models.md, LiveAvatar's "Generate"):
 - the sink distance d is `sink_distance(seed, block)`: drawn per block from the session seed, in
   the official range [4, 30]. The official code draws it from Python's unseeded `random` on every
   forward (and every TPP rank draws its own), so no run can be reproduced;
@@ -35,7 +35,7 @@ from avatarstream.engine.module import Module
 from avatarstream.models.liveavatar import KVRing
 
 # diffusers FlowMatchEulerDiscreteScheduler(1000, shift=3).set_timesteps(4), as LiveAvatar samples
-# (σ_min shifted twice: not flow_sigmas(4, 3)); t = 1000·σ (liveavatar.md §7)
+# (σ_min shifted twice: not flow_sigmas(4, 3)); t = 1000·σ (docs/real-models.md, LiveAvatar's "Generate")
 SIGMAS = (1.0, 0.857692, 0.602151, 0.008929, 0.0)
 SINK_DISTANCE_RANGE = (4, 30)  # the official random.randint(4, 30)
 

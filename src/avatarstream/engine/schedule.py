@@ -291,23 +291,3 @@ class CausalSchedule:
 
 
 STRATEGIES = ("prefix", "interp", "causal")
-
-
-def make_schedule(strategy: str, chunk: int, *, overlap: int = 2, gap: int = 1,
-                  anchor: int = 1, block: int = 3, scene: bool = False,
-                  stride: int = 4, context: int = 1) -> ContinuitySchedule:
-    """scene: prefix and interp chunks generated from the reference are given the scene frame
-    (the causal student keeps its reference as attention sink instead); stride: video frames per
-    latent of the model's VAE (handoff: FlashHead's own continuity, engine/handoff_schedule.py);
-    context: causal blocks are given that many latents of the previous block (0: none)."""
-    if strategy == "handoff":
-        from avatarstream.engine.handoff_schedule import HandoffSchedule  # it builds on this module
-
-        return HandoffSchedule(chunk=chunk, overlap=overlap, stride=stride)
-    if strategy == "causal":
-        return CausalSchedule(block=block, context=context)
-    if strategy == "prefix":
-        return PrefixSchedule(chunk=chunk, overlap=overlap, scene=scene)
-    if strategy == "interp":
-        return InterpSchedule(chunk=chunk, gap=gap, anchor=anchor, scene=scene)
-    raise ConfigError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")

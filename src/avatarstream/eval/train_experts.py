@@ -30,25 +30,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from avatarstream.data import AvatarRenderer, Clip, ClipSpec, FaceState, Identity, Scene, identity_seeds
+from avatarstream.data import AvatarRenderer, Clip, ClipSpec, Identity, Scene, identity_seeds
 from avatarstream.data.splits import derive_seed, voices_for
 from avatarstream.eval.experts import (ASSET_DIR, FACE_SIZE, MOUTH_SIZE, POSE_SCALE, SYNC_SIZE, FaceStateNet,
                                        IdentityNet, SyncNet, audio_mel, crop, face_box, grey, mel_windows,
                                        mouth_box, to_canvas)
+from avatarstream.eval.face_states import random_state
 
 MASTER = 4242  # master seed of the experts' training identities
 VSHIFT = 15
 NEG = 7  # random shifted negatives per sample (besides one near shift)
-
-
-def random_state(rng: np.random.Generator) -> FaceState:
-    """A face state spread over (and a bit beyond) what the motion/viseme tracks produce."""
-    op = 0.0 if rng.random() < 0.25 else float(rng.uniform(0, 1.0))
-    return FaceState(open=op, width=float(rng.uniform(-0.8, 0.8)), round=float(rng.uniform(0, 1) ** 2),
-                     teeth=float(rng.uniform(0, 1)), smile=float(rng.uniform(-0.4, 0.8)),
-                     yaw=float(rng.uniform(-10, 10)), pitch=float(rng.uniform(-8, 8)), roll=float(rng.uniform(-6, 6)),
-                     blink=0.0 if rng.random() < 0.5 else float(rng.uniform(0, 1)), brow=float(rng.uniform(0, 1)),
-                     gaze_x=float(rng.uniform(-1, 1)), gaze_y=float(rng.uniform(-1, 1)))
 
 
 def degrade(x: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from avatarstream.data import AvatarRenderer, Clip, DatasetConfig, Identity, Scene, clip_specs, identity_seeds
 from avatarstream.eval.experts import load_experts
 from avatarstream.eval.metrics import face_track, sync_distances, sync_scores
-from avatarstream.eval.train_experts import random_state
+from avatarstream.eval.face_states import random_state
 
 SPF = 640  # audio samples per video frame
 

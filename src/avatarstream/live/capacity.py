@@ -4,10 +4,17 @@
 sessions talking at once (`measure_steps`, the scheduler's own code path: batched chunks, the
 overlapped decode), fits step = base + n * per_session, and adds the VP8 encode every viewer
 costs (`encode_load`). `ChunkScheduler.admit` refuses a session beyond `Capacity.max_sessions`.
+
+A machine that measures slower than real time for one session (a slow machine, or a busy one at
+start-up: another job running) still admits one session, with a warning that says what it measured
+(`slow_warning`): refusing every session for the life of the server, for a measurement that may
+only have been unlucky, serves nobody; one slow session is visible to its user and to the operator
+(`real_time: false` in the capacity), and `--max-sessions N` sets the number outright.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +27,8 @@ from avatarstream.live.prepared import PreparedReference
 from avatarstream.live.scheduler import ChunkScheduler
 from avatarstream.live.segment import TalkSegment
 from avatarstream.media.synthetic import speechlike
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,8 +58,27 @@ class Capacity:
             n += 1
         return n
 
+    @property
+    def real_time(self) -> bool:
+        """Whether one session was measured to keep real time (True when not measured)."""
+        return not self.measured or self.load(1) <= 1.0
+
+    def session_fps(self, fps: int) -> float:
+        """Frames per second one session was measured to run at (`fps` when it keeps up)."""
+        load = self.load(1)
+        return fps / load if load > 0 else float(fps)
+
+    def describe(self, fps: int) -> str:
+        """One line for the operator: what was measured (or set) and what it admits."""
+        n = f"{self.max_sessions} live session{'s' if self.max_sessions != 1 else ''} at once"
+        if not self.measured:
+            return f"capacity: {n} (set by --max-sessions)"
+        return (f"capacity: {n} (measured: one session runs at {self.session_fps(fps):.1f} fps of the "
+                f"{fps} needed, load {self.load(1):.2f}; each chunk of {self.chunk_media_s:.2f} s of video "
+                f"takes {self.step_base_s + self.step_per_session_s:.2f} s)")
+
     def as_dict(self) -> dict:
-        return {"max_sessions": self.max_sessions, "measured": self.measured,
+        return {"max_sessions": self.max_sessions, "measured": self.measured, "real_time": self.real_time,
                 "step_base_s": round(self.step_base_s, 4),
                 "step_per_session_s": round(self.step_per_session_s, 4),
                 "chunk_media_s": round(self.chunk_media_s, 3),
@@ -132,10 +160,11 @@ def calibrate(models: ModelSet, prepared: PreparedReference, *, target_load: flo
               limit: int = 64) -> Capacity:
     """Measure one and two sessions talking at once and fit step = base + n * per_session.
 
-    The first session is admitted when the machine keeps it in real time at all (predicted load
-    ≤ 1): there is no other session its lag could hurt, and a server that refuses every session
-    serves nobody. Each further one only while the predicted load stays within `target_load`,
-    the margin that keeps the sessions already talking real time."""
+    The first session is always admitted: when the machine keeps it in real time (predicted load
+    ≤ 1) there is no other session its lag could hurt, and when it does not, a server that refuses
+    every session serves nobody (`slow_warning` is logged; module doc). Each further one only while
+    the predicted load stays within `target_load`, the margin that keeps the sessions already
+    talking real time."""
     # two sessions first: a fresh process runs its first rounds slower for a while, and that errs
     # towards admitting fewer (c2 high), never more. One session twice, the faster kept: a start-up
     # measurement is only ever slowed by something passing (seen: 0.35 and 0.48 s a round for the
@@ -146,5 +175,17 @@ def calibrate(models: ModelSet, prepared: PreparedReference, *, target_load: flo
     per = max(c2 - c1, 0.25 * c1)  # batching never makes a session free
     base = max(0.0, c1 - per)
     cap = Capacity(0, base, per, media, encode_load(models.config.out_hw), target_load, True)
-    cap.max_sessions = cap.admissible(limit)
+    n = cap.admissible(limit)
+    if n == 0:  # slower than real time, or busy while measuring: warn, admit one (module doc)
+        log.warning(slow_warning(cap, models.config.fps, models.name))
+    cap.max_sessions = max(1, n)
     return cap
+
+
+def slow_warning(cap: Capacity, fps: int, model: str) -> str:
+    """The warning of a machine measured slower than real time for one session."""
+    return (f"this machine measured {cap.session_fps(fps):.1f} fps for one live session of model {model}, "
+            f"{fps} fps are needed (a chunk of {cap.chunk_media_s:.2f} s of video took "
+            f"{cap.step_base_s + cap.step_per_session_s:.2f} s, VP8 encoding {cap.encode_load:.2f} s a second): "
+            "sessions will lag behind real time. One session is admitted anyway. If the machine was busy "
+            "while measuring, restart when it is idle; --max-sessions N sets the number of sessions outright")

@@ -88,7 +88,7 @@ class RenderJob:
                 "elapsed_s": round(elapsed, 3),
                 "fps": round(self.frames / elapsed, 2) if elapsed > 0 else 0.0,
                 "error": self.error, "output_url": f"/v1/renders/{self.id}/output",
-                "content_credentials": None if self.signed is None else self.signed.as_dict()}
+                "content_credentials": None if self.signed is None else self.signed.public_dict()}
 
     # -- the scheduler side ----------------------------------------------------------------------
     def step(self) -> None:

@@ -29,7 +29,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 
 from avatarstream.engine.executor import Executor, LocalExecutor
@@ -40,13 +40,47 @@ from avatarstream.errors import AvatarStreamError
 from avatarstream.live.segment import TalkSegment
 
 if TYPE_CHECKING:
-    from avatarstream.live.capacity import Capacity
     from avatarstream.engine.stage import ChunkRecord
-    from avatarstream.live.session import LiveSession
 
 log = logging.getLogger(__name__)
 
 Item = tuple["ChunkRecord", TalkSegment]
+
+
+class MeasuredCapacity(Protocol):
+    """What admission reads of the measured capacity (`live/capacity.Capacity`, which imports
+    this module: the protocol keeps the import one way)."""
+
+    max_sessions: int
+    step_base_s: float
+    step_per_session_s: float
+    chunk_media_s: float
+
+    def as_dict(self) -> dict: ...
+
+
+class ScheduledSession(Protocol):
+    """What the scheduler asks of a live session (`live/session.LiveSession`, which imports this
+    module: the protocol keeps the import one way)."""
+
+    queue: Any  # closed when the scheduler stops
+    origin: float | None  # wall time of media time 0 (None: not started)
+    frame: int
+    fps: int
+    segment: TalkSegment | None
+    due: float | None  # when `poll` has work next
+
+    @property
+    def talking(self) -> bool: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    def poll(self, now: float) -> Item | None: ...
+
+    def chunk_done(self, seg: TalkSegment) -> None: ...
+
+    def finalize(self, error: BaseException | None) -> None: ...
 
 
 class Job(Protocol):
@@ -76,7 +110,7 @@ class SchedulerStats:
 
 class ChunkScheduler:
     def __init__(self, models: ModelSet, *, batching: bool = True, max_batch: int = 8,
-                 capacity: Capacity | None = None, max_lag_s: float = 1.0,
+                 capacity: MeasuredCapacity | None = None, max_lag_s: float = 1.0,
                  gather_s: float = 0.2, now: Callable[[], float] = time.monotonic,
                  decode_overlap: bool = True, executor: Executor | None = None) -> None:
         """executor: what runs the chunks' model stages (default: this process, `LocalExecutor`
@@ -88,7 +122,7 @@ class ChunkScheduler:
         self.batching, self.gather_s, self.max_batch = batching, gather_s, max_batch
         self.capacity, self.max_lag_s, self.now = capacity, max_lag_s, now
         self.stats = SchedulerStats()
-        self._sessions: list[LiveSession] = []
+        self._sessions: list[ScheduledSession] = []
         self._jobs: deque[Job] = deque()
         self._cond = threading.Condition()
         self._wake = False
@@ -117,7 +151,7 @@ class ChunkScheduler:
         self.flush()
         self.executor.close()
 
-    def add(self, session: LiveSession) -> None:
+    def add(self, session: ScheduledSession) -> None:
         with self._cond:
             self._sessions.append(session)
             self._cond.notify_all()
@@ -133,12 +167,12 @@ class ChunkScheduler:
             self._cond.notify_all()
 
     @property
-    def sessions(self) -> list[LiveSession]:
+    def sessions(self) -> list[ScheduledSession]:
         with self._cond:
             return list(self._sessions)
 
     # -- admission -------------------------------------------------------------------------------
-    def lag_s(self, session: LiveSession) -> float:
+    def lag_s(self, session: ScheduledSession) -> float:
         """How far the session's timeline is behind the wall clock (> 0: late)."""
         if session.origin is None:
             return 0.0
@@ -248,7 +282,7 @@ class ChunkScheduler:
                 if s.segment is not None and id(s.segment.state) in ids:
                     self._drop(s, error)
 
-    def _drop(self, session: LiveSession, error: BaseException | None) -> None:
+    def _drop(self, session: ScheduledSession, error: BaseException | None) -> None:
         # the decode thread's frames reach the sinks before they close
         self.executor.wait()
         pending = self.executor.failures()

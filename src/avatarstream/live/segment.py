@@ -91,7 +91,9 @@ class UtteranceAudio:
 
     def _end(self) -> torch.Tensor:
         self.finished = True
-        pad = (-self.samples) % self.spf
+        # whole frames; an utterance interrupted before its first packet is one silent frame
+        # (zero samples would end the whole session: "the audio is empty")
+        pad = (-self.samples) % self.spf if self.samples else self.spf
         if not pad:
             raise StopIteration
         self.samples += pad

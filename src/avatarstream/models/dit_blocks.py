@@ -37,6 +37,17 @@ def guidance_features(guidance: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([sinusoidal_embedding(100.0 * guidance[:, i].float(), dim // 2) for i in range(2)], -1)
 
 
+class Float32RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in float32, its weight too: q and k are normalised in float32 (as Wan
+    does) while a bf16 model stores this weight in bf16. Handing torch a float32 input with a bf16
+    weight gives the same numbers through its slow path and a "Mismatch dtype" warning; casting
+    the weight (`dim` values) here keeps the fused kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), self.normalized_shape, w, self.eps)
+
+
 class AttentionLayer(nn.Module):
     """q, k, v, o projections with RMSNorm on queries and keys (computed in float32)."""
 
@@ -44,8 +55,8 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.heads = heads
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm_q = nn.RMSNorm(dim, eps=eps)
-        self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.norm_q = Float32RMSNorm(dim, eps=eps)
+        self.norm_k = Float32RMSNorm(dim, eps=eps)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, N, D]` -> `[B, H, N, hd]`."""

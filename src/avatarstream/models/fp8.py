@@ -4,7 +4,7 @@ activations' precision. This is what the fp8 memory plans of `avatarstream model
 (weights/plans.py, docs/real-models.md "Memory plans"): the blocks' and audio injectors' matrices
 at 1 byte, everything else as loaded.
 
-Order of operations (liveavatar.md §4): load the checkpoint in bf16 (the LoRA merged in fp32
+Order of operations (as LiveAvatar's own `--fp8`: after the LoRA merge): load the checkpoint in bf16 (the LoRA merged in fp32
 first), then `quantize_linears_`. fp8 is applied after loading, never loaded: a quantized
 layer's state dict holds `weight` (fp8) and `weight_scale` (fp32) and loads back into a
 quantized layer exactly, but refuses a bf16/fp32 `weight` (its values would be cast to fp8

@@ -1,4 +1,4 @@
-"""LiveAvatar's ranks of the timestep-forcing pipeline (liveavatar.md §9): the same protocol as
+"""LiveAvatar's ranks of the timestep-forcing pipeline (officially 4 denoise ranks + 1 VAE rank; docs/real-models.md, "GPU runbook"): the same protocol as
 ours (`parallel/tpp.py`), with LiveAvatar's stages.
 
     denoise rank i   the block's audio (its own wav2vec2 window: every denoise rank encodes the
@@ -23,7 +23,7 @@ from typing import Any
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
 from avatarstream.engine.stages.liveavatar import LiveAvatarDenoiseStage, liveavatar_stages
-from avatarstream.parallel.tpp import TAG_LATENT, TAG_SINK
+from avatarstream.parallel.link import TAG_LATENT, TAG_SINK
 
 
 class LiveAvatarTPPDenoiseStage(Stage):

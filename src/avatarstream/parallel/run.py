@@ -15,7 +15,7 @@ Both backends: NCCL when the job runs on CUDA, gloo on CPUs. Each rank loads onl
 of its role (`parallel/roles.py`).
 
 Faults: a rank that dies takes its links down; its peers stop at their next transfer with one
-line naming it (`tpp.RankFailure`, waited with a deadline); a rank stopped by its launcher
+line naming it (`link.RankFailure`, waited with a deadline); a rank stopped by its launcher
 (torchrun and `spawn` both send SIGTERM to the survivors of a failed rank) raises the same error
 from its signal handler. Either way the publishing rank closes its sinks on the way out: the MP4
 keeps every frame published before the failure (and stays playable even after kill -9:
@@ -41,8 +41,8 @@ from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
 from avatarstream.errors import AvatarStreamError, ConfigError, InputError
 from avatarstream.parallel.roles import loaded_parts, rank_models, role_of
-from avatarstream.parallel.tpp import (DecodeWorker, DenoiseWorker, RankFailure, TPPJob,
-                                       _check_causal, split_steps)
+from avatarstream.parallel.link import RankFailure
+from avatarstream.parallel.tpp import DecodeWorker, DenoiseWorker, TPPJob, _check_causal, split_steps
 
 log = logging.getLogger(__name__)
 

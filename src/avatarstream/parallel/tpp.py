@@ -30,29 +30,26 @@ closed connection at once, NCCL by the deadline; a rank that torchrun (or the CL
 terminates after another rank failed says so and closes its output, which stays playable up to
 the last published frame (`publish/file.py`).
 
-The processes themselves (who loads what, the CLI's spawn and torchrun's `env://`) are in
-`parallel/run.py` and `parallel/roles.py`.
+The transport is `parallel/link.py`; the processes themselves (who loads what, the CLI's spawn and
+torchrun's `env://`) are in `parallel/run.py` and `parallel/roles.py`, and a job starts in
+`parallel/start.py` (`run_tpp`).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from avatarstream.engine.denoiser import pack, unpack
 from avatarstream.engine.pipeline import output_stages
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import ChunkRecord, Stage
 from avatarstream.engine.stages.causal import block_noise, new_denoiser, write_block
-from avatarstream.errors import AvatarStreamError, ConfigError
+from avatarstream.errors import ConfigError
+from avatarstream.parallel.link import TAG_LATENT, TAG_SINK, Link
 
-TAG_LATENT, TAG_SINK = 1, 2
 
 
 @dataclass
@@ -83,12 +80,6 @@ class TPPJob:
         return self.workers + 1 + int(self.split_decode)
 
 
-class RankFailure(AvatarStreamError):
-    """This rank stops because another one did (or the launcher stopped it): one line, exit 1."""
-
-    exit_code = 1
-
-
 def split_steps(steps: int, workers: int) -> list[list[int]]:
     """Contiguous shares of `steps` denoising steps over `workers` (earlier workers get the extra
     step): split_steps(4, 4) = [[0], [1], [2], [3]]; split_steps(4, 3) = [[0, 1], [2], [3]]."""
@@ -107,64 +98,6 @@ def split_steps(steps: int, workers: int) -> list[list[int]]:
 # worker stages
 
 
-def wait_for(start: Callable[[], Any], rank: int, what: str, timeout_s: float) -> None:
-    """Start an async transfer (`start()`: a `dist.isend`/`irecv`) and wait for it at most
-    `timeout_s`. A transport error (gloo: the peer's connection closed, reported at once, when
-    the transfer starts or while it is waited for) or the deadline (NCCL, or a peer that hangs)
-    -> RankFailure naming `what`. gloo's point-to-point work completes only inside `wait` and
-    cannot be waited for again after a timeout, so it is one timed wait, made (gloo) on a thread
-    of its own: the main thread waits for that thread in short steps, so a SIGTERM from the
-    launcher is handled at once (its RankFailure raised here) even while the transfer is stuck in
-    C++. (NCCL's wait orders the calling thread's CUDA streams: it stays on this thread.)"""
-    outcome: list[BaseException] = []
-    done = threading.Event()
-
-    def wait(work: Any) -> None:
-        try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            outcome.append(e)
-        finally:
-            done.set()
-
-    try:
-        work = start()
-        if dist.get_backend() != "gloo":  # NCCL: its wait orders CUDA streams of this thread
-            work.wait(timeout=timedelta(seconds=timeout_s))
-            return
-        threading.Thread(target=wait, args=(work,), name=f"avatarstream-wait-{what}", daemon=True).start()
-        while not done.wait(0.2):  # signal handlers run between the steps
-            pass
-        if outcome:
-            raise outcome[0]
-    except RuntimeError as e:
-        msg = str(e)
-        if "timed out" in msg.lower() or "timeout" in msg.lower():
-            raise RankFailure(f"rank {rank}: no {what} for {timeout_s:.0f} s (did that rank stop?); "
-                              "stopping") from None
-        first = next((ln for ln in msg.splitlines() if ln.strip()), type(e).__name__)
-        first = first.split("] ", 1)[-1].split(". This is")[0][:160]  # gloo: its source location first
-        raise RankFailure(f"rank {rank}: lost {what} ({first}); stopping") from None
-
-
-class _Link:
-    """Point-to-point latent transport of one rank (tensors staged on the rank's device), every
-    transfer waited for with a deadline (`wait_for`)."""
-
-    def __init__(self, rank: int, device: torch.device, timeout_s: float = 600.0) -> None:
-        self.rank, self.device, self.timeout_s = rank, device, timeout_s
-
-    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        buf = t.detach().float().contiguous().to(self.device)
-        wait_for(lambda: dist.isend(buf, dst, tag=tag), self.rank, f"the link to rank {dst} (send)",
-                 self.timeout_s)
-
-    def recv(self, shape: tuple[int, ...], src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
-        wait_for(lambda: dist.irecv(buf, src, tag=tag), self.rank, f"latents from rank {src}", self.timeout_s)
-        return buf.cpu()
-
-
 class TPPDenoiseStage(Stage):
     """One denoise worker's share of every block: receive, denoise its steps, send on."""
 
@@ -172,7 +105,7 @@ class TPPDenoiseStage(Stage):
     reads = ("given", "audio", "sigma_noise", "motion_noise")
     writes = ()
 
-    def __init__(self, models: Any, config: Any, rank: int, shares: list[list[int]], link: _Link) -> None:
+    def __init__(self, models: Any, config: Any, rank: int, shares: list[list[int]], link: Link) -> None:
         super().__init__()
         self.models, self.config = models, config
         self.rank, self.shares, self.link = rank, shares, link
@@ -215,7 +148,7 @@ class ReceiveBlockStage(Stage):
     reads = ("given", "sigma_noise", "motion_noise")
     writes = ("lr_latents", "motion")
 
-    def __init__(self, src: int, link: _Link) -> None:
+    def __init__(self, src: int, link: Link) -> None:
         super().__init__()
         self.src, self.link = src, link
 
@@ -233,7 +166,7 @@ class SendRefinedStage(Stage):
     reads = ("hr_latents",)
     writes = ()
 
-    def __init__(self, dst: int, link: _Link) -> None:
+    def __init__(self, dst: int, link: Link) -> None:
         super().__init__()
         self.dst, self.link = dst, link
 
@@ -249,7 +182,7 @@ class ReceiveRefinedStage(Stage):
     reads = ("sigma_noise",)
     writes = ("hr_latents",)
 
-    def __init__(self, src: int, link: _Link) -> None:
+    def __init__(self, src: int, link: Link) -> None:
         super().__init__()
         self.src, self.link = src, link
 
@@ -274,7 +207,7 @@ class DenoiseWorker:
 
     def __call__(self, models: Any, config: Any) -> list[Stage]:
         _check_causal(config)
-        link = _Link(self.rank, torch.device(self.device), self.timeout_s)
+        link = Link(self.rank, torch.device(self.device), self.timeout_s)
         from avatarstream.parallel import liveavatar_tpp  # a model family's own stages, same protocol
 
         if liveavatar_tpp.is_liveavatar(models):
@@ -296,7 +229,7 @@ class DecodeWorker:
     def __call__(self, models: Any, config: Any) -> list[Stage]:
         _check_causal(config)
         n = self.workers
-        link = _Link(n + (self.role == "publish"), torch.device(self.device), self.timeout_s)
+        link = Link(n + (self.role == "publish"), torch.device(self.device), self.timeout_s)
         from avatarstream.parallel import liveavatar_tpp
 
         if liveavatar_tpp.is_liveavatar(models):
@@ -316,18 +249,3 @@ def _check_causal(config: Any) -> None:
     if config.strategy != "causal":
         raise ConfigError("--workers runs the causal strategy only (timestep forcing needs its "
                           "per-step KV caches); add --strategy causal")
-
-
-def run_tpp(job: TPPJob) -> dict[str, Any] | None:
-    """Run the job: on `job.processes` processes spawned here, or, inside a process torchrun
-    started (`parallel/launch.py`), as this process's rank (of the pipeline, or with
-    `sequence_parallel` of `parallel/sp_run.py`). Returns the publishing rank's summary
-    (`RunSummary.as_dict()` plus `workers`, `processes`, `split_decode`, `step_shares`), None on
-    the other ranks of a torchrun job (see `parallel/run.py`)."""
-    from avatarstream.parallel.run import launched_by_torchrun, run_this_rank, spawn
-
-    if job.sequence_parallel:
-        from avatarstream.parallel.sp_run import run_sequence_parallel
-
-        return run_sequence_parallel(job)
-    return run_this_rank(job) if launched_by_torchrun() else spawn(job)

@@ -1,6 +1,6 @@
 """Parity with the official code: `avatarstream models parity FIXTURE`.
 
-A fixture (`avatarstream-parity/1`, described in shared/golden/README.md and docs/real-models.md)
+A fixture (`avatarstream-parity/1`, described in docs/parity-fixtures.md)
 holds, for one official network at a tiny size, random weights under the official keys, every input
 the official run consumed and what it produced. `run_parity` loads the weights through the same
 loader and key mapping a real checkpoint goes through, runs our implementation on the inputs and

@@ -1,4 +1,4 @@
-"""Parity of the Wan2.1 VAE (`wan-vae` fixtures, shared/golden README §2.2).
+"""Parity of the Wan2.1 VAE (`wan-vae` fixtures, docs/parity-fixtures.md).
 
 `weights/wan.py load_wan_vae(state, config)` is the one way weights under the official keys become a `WanVAE`:
 the real `VAE_Wan/Wan2.1_VAE.pth` (a plain state dict, read by `weights/official.read_state`)

@@ -1,4 +1,4 @@
-"""Parity of the wav2vec2 audio paths (family `wav2vec2`, shared/golden/README.md §2.3).
+"""Parity of the wav2vec2 audio paths (family `wav2vec2`, docs/parity-fixtures.md).
 
 The fixture's weights go through `weights/wav2vec2.load_wav2vec2`, the loader a downloaded HF
 folder takes (prefix strip, weight-norm names, CTC head skipped). Then, per `settings.variant`:

@@ -20,8 +20,10 @@ whole file and writes a signed copy (about 1 s per 50 MB on this 2-core machine)
 once, when the file is complete: `sign_in_place` writes the copy beside the file
 (`<stem>.signing-<pid>.mp4`), syncs it and renames it over the file. A failed signing (a full
 disk, a certificate c2pa refuses) deletes the copy and leaves the complete unsigned video where it
-was; the outcome (`Signed`) says so. HLS output is MPEG-TS, which C2PA does not cover: it carries
-the invisible watermark only.
+was; the outcome (`Signed`) says so. The file sink holds Ctrl-C and SIGTERM while it signs and
+renames (publish/interrupt.py: c2pa reads through Python callbacks, which must not be interrupted);
+a copy left by kill -9 is deleted by the next run of the same output (publish/output.py).
+HLS output is MPEG-TS, which C2PA does not cover: it carries the invisible watermark only.
 
 Which certificate
 -----------------
@@ -46,6 +48,7 @@ import io
 import logging
 import os
 import stat
+import time
 import wave
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -65,6 +68,9 @@ TRAINED_ALGORITHMIC_MEDIA = "http://cv.iptc.org/newscodes/digitalsourcetype/trai
 GENERATION_LABEL = "org.avatarstream.generation"
 LOCAL_ORG = "avatarstream (self-signed, untrusted)"  # the issuer name verifiers show for ours
 MIME = "video/mp4"
+# tests only: seconds signing waits with the signed copy written, before the rename (a window in
+# which a test's signal is sure to come during signing); unset in any real run
+PAUSE_FOR_TESTS = "AVATARSTREAM_TEST_SIGNING_PAUSE_S"
 _CA_DAYS, _LEAF_DAYS = 20 * 365, 10 * 365  # no timestamp authority: the leaf must outlive the files
 
 
@@ -298,6 +304,11 @@ class Signed:
         return {"signed": self.signed, "signer": self.signer, "self_signed": self.self_signed,
                 "certificate": self.certificate, "error": self.error}
 
+    def public_dict(self) -> dict:
+        """`as_dict` without the certificate's path: what a server tells its clients (never a
+        path on the server)."""
+        return {k: v for k, v in self.as_dict().items() if k != "certificate"}
+
     def note(self) -> str:
         """One line for a summary."""
         if not self.signed:
@@ -326,6 +337,8 @@ class ContentCredentials:
                 _sign_stream(self.identity, _manifest(self.model, title or path.name), MIME, src, dst)
                 dst.flush()
                 os.fsync(dst.fileno())
+            if os.environ.get(PAUSE_FOR_TESTS):  # unset: nothing; tests send signals here
+                time.sleep(float(os.environ[PAUSE_FOR_TESTS]))
             os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
             os.replace(tmp, path)
         except (c2pa.C2paError, OSError) as e:

@@ -4,19 +4,24 @@ Two independent signals are read:
 - **Content credentials** (C2PA, provenance/credentials.py): c2pa-rs reads and validates the
   manifest store. `valid`: the claim signature verifies and the hashes match the file (a changed
   byte fails); `trusted`: the signer chains to a trust list c2pa knows (our local self-signed
-  certificate never does: it is reported as `self_signed`, and `local_certificate` says that it
-  is this machine's, when it chains to the local CA in the config folder). A valid manifest whose
+  certificate never does). `local_certificate` (and `self_signed`) say that the signer is this
+  machine's local certificate: only when it chains to the local CA in the config folder (the file
+  is validated again with that CA as the only anchor; the CA's key was never kept), never by its
+  name, which anyone can give a certificate. A valid manifest whose
   `c2pa.created` action has an AI digital source type (IPTC `trainedAlgorithmicMedia` and its
   kin) marks the file; the model comes from our `org.avatarstream.generation` assertion.
 - **The invisible watermark** in the frames (provenance/watermark.py, `detect_video`), which
   survives re-encoding and travels where no manifest does (live streams, HLS, screen captures).
 
-A URL is either an HLS playlist (`.m3u8`, or served as an mpegurl: PyAV reads it for the
-watermark; HLS segments carry no manifest) or a file, downloaded into a temporary file of at most
-`max_download_bytes` and then read as a file. A local `.m3u8` is read as a stream too. `headers`
-(`verify --header 'Authorization: Bearer KEY'`, for a server's render or session stream) go with
-the URL's requests: the download (not to another host it redirects to) or FFmpeg's requests of
-the playlist and its segments.
+A URL is fetched by `verify` itself (provenance/fetch.py: the user's `headers`, such as
+`--header 'Authorization: Bearer KEY'` for a server's render or session stream, go only to the
+URL's origin; http(s) only, redirects included; bounded in time, requests and bytes). An HLS
+playlist (`.m3u8`/`.m3u`, served as an mpegurl, or any body that begins `#EXTM3U`) is read by
+provenance/hls.py into one local file (HLS segments carry no manifest: the watermark only);
+anything else is downloaded into a temporary file of at most `Limits.max_bytes` and read as a
+file. FFmpeg reads what was fetched as local media only (`REMOTE_MEDIA`: no playlist format, no
+protocol but `file`), so nothing fetched can make it open another file or URL. A local path is
+the user's own: read as it is (a local `.m3u8` as a stream too).
 
 The report is a dict (the CLI prints `describe(report)` and, with --json, the dict as JSON);
 `EXIT_MARKED` (0) when either signal marks the file, `EXIT_NOT_MARKED` (1) when neither does; a
@@ -25,20 +30,22 @@ missing or unreadable input is an InputError (the CLI's exit 2).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
 import tempfile
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import c2pa
 
 from avatarstream.errors import InputError
 from avatarstream.provenance.credentials import GENERATION_LABEL, LOCAL_ORG, local_paths
+from avatarstream.provenance.fetch import Fetcher, Limits, shown_url
+from avatarstream.provenance.hls import is_playlist_start, read_stream
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +56,10 @@ AI_SOURCE_TYPES = frozenset(
     for t in ("trainedAlgorithmicMedia", "compositeWithTrainedAlgorithmicMedia",
               "algorithmicMedia", "compositeSynthetic"))
 UNTRUSTED = "signingCredential.untrusted"
-MAX_DOWNLOAD_BYTES = 2 << 30
-_CHUNK = 1 << 20
+MAX_DOWNLOAD_BYTES = Limits.max_bytes
+# what FFmpeg may open of fetched bytes: local files of media formats, never a playlist format
+REMOTE_MEDIA = {"protocol_whitelist": "file",
+                "format_whitelist": "mov,mp4,matroska,webm,mpegts,avi,flv,mpeg,ogg,asf,h264,hevc"}
 
 
 def read_credentials(path: Path) -> dict:
@@ -82,7 +91,8 @@ def read_credentials(path: Path) -> dict:
         present=True, valid=valid, trusted=state == "Trusted", state=state,
         failures=[f for f in failures if f != UNTRUSTED],
         signer={"name": sig.get("common_name"), "issuer": sig.get("issuer"), "alg": sig.get("alg")},
-        self_signed=local or sig.get("issuer") == LOCAL_ORG, local_certificate=local,
+        # only a chain to this machine's CA makes it ours: any certificate can carry our name
+        self_signed=local, local_certificate=local,
         digital_source_type=sources[0] if sources else None,
         claims_ai_generated=any(s in AI_SOURCE_TYPES for s in sources),
         generator=" ".join(str(generator[0].get(k)) for k in ("name", "version") if generator[0].get(k)),
@@ -106,12 +116,11 @@ def _chains_to_local_ca(path: Path) -> bool:
         return False
 
 
-def read_watermark(source: str, headers: dict[str, str] | None = None) -> dict:
-    """The watermark detector's result for a file path or a stream URL (sent with `headers`), as
-    a dict."""
+def read_watermark(source: str, options: dict[str, str] | None = None) -> dict:
+    """The watermark detector's result for a file (FFmpeg opened with `options`), as a dict."""
     from avatarstream.provenance.watermark import detect_video
 
-    return detect_video(source, headers=headers).to_json()
+    return detect_video(source, options=options).to_json()
 
 
 def parse_headers(lines: list[str]) -> dict[str, str]:
@@ -129,88 +138,117 @@ def parse_headers(lines: list[str]) -> dict[str, str]:
 
 
 def _is_url(target: str) -> bool:
-    return urllib.parse.urlparse(target).scheme in ("http", "https")
+    return urllib.parse.urlparse(target).scheme.lower() in ("http", "https")
 
 
 def _is_playlist(url: str, content_type: str) -> bool:
-    return (urllib.parse.urlparse(url).path.lower().endswith(".m3u8")
+    return (urllib.parse.urlparse(url).path.lower().endswith((".m3u8", ".m3u"))
             or "mpegurl" in content_type.lower())
 
 
 @contextlib.contextmanager
-def _opened(target: str, max_download_bytes: int,
-            headers: dict[str, str]) -> Iterator[tuple[Path | None, str]]:
-    """(local file or None for a stream, what the watermark detector reads) for `target`."""
+def _opened(target: str, limits: Limits,
+            headers: dict[str, str]) -> Iterator[tuple[Path | None, str, dict | None]]:
+    """(the file for the content credentials, or None for a stream; what the watermark detector
+    reads; a fetched stream's summary) for `target`."""
     if not _is_url(target):
         path = Path(target)
         if not path.exists():
             raise InputError(f"cannot verify {target}: no such file")
         if not path.is_file() or not os.access(path, os.R_OK):
             raise InputError(f"cannot verify {target}: not a readable file")
-        yield path, str(path)
+        yield (None if path.suffix.lower() == ".m3u8" else path), str(path), None
         return
-    try:
-        request = urllib.request.Request(target, headers=headers)
-        opener = urllib.request.build_opener(_HeadersStayOnHost(headers))
-        response = opener.open(request, timeout=30)  # http(s) only, checked
-    except urllib.error.HTTPError as e:
-        hint = (" (a key-protected URL, such as a server's render, needs --header "
-                "'Authorization: Bearer KEY')" if e.code in (401, 403) and not headers else "")
-        raise InputError(f"cannot download {target}: HTTP {e.code} {e.reason}{hint}") from e
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise InputError(f"cannot download {target}: {getattr(e, 'reason', None) or e}") from e
-    with response:
-        if _is_playlist(target, response.headers.get("Content-Type", "")):
-            yield None, target
-            return
-        suffix = Path(urllib.parse.urlparse(target).path).suffix or ".mp4"
-        with tempfile.TemporaryDirectory(prefix="avatarstream-verify-") as tmp:
-            path = Path(tmp) / f"download{suffix}"
-            _download(response, path, target, max_download_bytes)
-            yield path, str(path)
+    fetcher = Fetcher(target, headers, limits)
+    with tempfile.TemporaryDirectory(prefix="avatarstream-verify-") as tmp:
+        url, response = fetcher.open(fetcher.url)
+        with response:
+            playlist = _is_playlist(url, response.headers.get("Content-Type", ""))
+            body = fetcher.chunks(response, url, limits.max_playlist_bytes if playlist else limits.max_bytes,
+                                  "playlist" if playlist else "file")
+            first = b""
+            for chunk in body:  # enough to tell a playlist (FFmpeg would read one as HLS)
+                first += chunk
+                if len(first) >= 64:
+                    break
+            if playlist or is_playlist_start(first):
+                text = first + b"".join(_upto(body, limits.max_playlist_bytes - len(first), fetcher, url))
+                stream = read_stream(fetcher, text, url, Path(tmp))
+                yield None, str(stream.path), {**stream.summary(), "requests": fetcher.requests}
+                return
+            suffix = Path(urllib.parse.urlparse(url).path).suffix or ".mp4"
+            path = Path(tmp) / f"download{suffix if suffix.isascii() and len(suffix) <= 6 else '.mp4'}"
+            with open(path, "wb") as f:
+                f.write(first)
+                for chunk in body:
+                    f.write(chunk)
+        yield path, str(path), None
 
 
-class _HeadersStayOnHost(urllib.request.HTTPRedirectHandler):
-    """A redirect to another host does not take the user's headers (a bearer key) with it."""
-
-    def __init__(self, headers: dict[str, str]) -> None:
-        self.names = list(headers)
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and urllib.parse.urlparse(newurl).netloc != urllib.parse.urlparse(req.full_url).netloc:
-            for name in self.names:
-                new.remove_header(name.capitalize())
-        return new
+def _upto(chunks: Iterator[bytes], left: int, fetcher: Fetcher, url: str) -> Iterator[bytes]:
+    """The rest of a playlist's body, at most `left` more bytes."""
+    for chunk in chunks:
+        left -= len(chunk)
+        if left < 0:
+            raise fetcher._too_big(url, "playlist", None)
+        yield chunk
 
 
-def _download(response: object, path: Path, url: str, limit: int) -> None:
-    size = 0
-    with open(path, "wb") as f:
-        while chunk := response.read(_CHUNK):  # type: ignore[attr-defined]
-            size += len(chunk)
-            if size > limit:
-                raise InputError(f"cannot verify {url}: it is larger than {limit / 2**20:.0f} MB "
-                                 "(--max-download-mb)")
-            f.write(chunk)
-
-
-def verify(target: str, *, max_download_bytes: int = MAX_DOWNLOAD_BYTES,
-           headers: dict[str, str] | None = None) -> dict:
-    """Both signals for a file or URL (module doc); `headers` go with every request of a URL
-    (a server's render: `{"Authorization": "Bearer KEY"}`), its HLS segments included."""
-    headers = headers or {}
-    with _opened(target, max_download_bytes, headers) as (path, source):
-        if path is None or path.suffix.lower() == ".m3u8":
+def verify(target: str, *, max_download_bytes: int | None = None,
+           headers: dict[str, str] | None = None, limits: Limits | None = None) -> dict:
+    """Both signals for a file or URL (module doc); `headers` go with the requests of a URL to
+    its origin only (a server's render: `{"Authorization": "Bearer KEY"}`); `limits` bound what
+    a URL may fetch (`max_download_bytes` overrides their byte limit)."""
+    limits = limits or Limits()
+    if max_download_bytes is not None:
+        limits = replace(limits, max_bytes=max_download_bytes)
+    remote = _is_url(target)
+    with _opened(target, limits, headers or {}) as (path, source, stream):
+        if path is None:
             credentials = {"present": False, "valid": False, "trusted": False, "ai_generated": False,
                            "error": "an HLS stream carries no content credentials (C2PA covers files)"}
         else:
             credentials = read_credentials(path)
-        watermark = read_watermark(source, headers if path is None else None)
+        watermark = read_watermark(source, REMOTE_MEDIA if remote else None)
     by = [name for name, marked in (("content_credentials", credentials["ai_generated"]),
                                     ("watermark", bool(watermark.get("detected")))) if marked]
-    return {"target": target, "ai_generated": bool(by), "marked_by": by,
-            "content_credentials": credentials, "watermark": watermark}
+    report = {"target": shown_url(target) if remote else target, "ai_generated": bool(by),
+              "marked_by": by, "content_credentials": credentials, "watermark": watermark}
+    if stream is not None:
+        report["stream"] = stream
+    return report
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """`verify`'s limits on what a URL may fetch (provenance/fetch.py)."""
+    d = Limits()
+    p.add_argument("--timeout", type=float, default=d.deadline_s, metavar="S",
+                   help=f"give up on a URL after S seconds in all (default {d.deadline_s:g})")
+    p.add_argument("--max-requests", type=int, default=d.max_requests, metavar="N",
+                   help=f"at most N HTTP requests for a URL, redirects included (default {d.max_requests})")
+    p.add_argument("--max-segments", type=int, default=d.max_segments, metavar="N",
+                   help=f"read at most N segments of an HLS stream (default {d.max_segments})")
+    p.add_argument("--max-playlist-kb", type=int, default=d.max_playlist_bytes // 1024, metavar="KB",
+                   help=f"refuse a larger HLS playlist (default {d.max_playlist_bytes // 1024})")
+    p.add_argument("--max-playlist-lines", type=int, default=d.max_playlist_lines, metavar="N",
+                   help=f"refuse an HLS playlist of more lines (default {d.max_playlist_lines})")
+    p.add_argument("--max-playlist-depth", type=int, default=d.max_depth, metavar="N",
+                   help=f"follow master playlists at most N deep (default {d.max_depth})")
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The Limits of `verify`'s command line; InputError for a value that is not positive."""
+    values = {"timeout": args.timeout, "max-requests": args.max_requests,
+              "max-segments": args.max_segments, "max-playlist-kb": args.max_playlist_kb,
+              "max-playlist-lines": args.max_playlist_lines,
+              "max-playlist-depth": args.max_playlist_depth, "max-download-mb": args.max_download_mb}
+    for name, value in values.items():
+        if not value > 0:
+            raise InputError(f"--{name} must be positive (got {value})")
+    return Limits(max_bytes=round(args.max_download_mb * 2**20), deadline_s=args.timeout,
+                  max_requests=args.max_requests, max_segments=args.max_segments,
+                  max_playlist_bytes=args.max_playlist_kb * 1024,
+                  max_playlist_lines=args.max_playlist_lines, max_depth=args.max_playlist_depth)
 
 
 def exit_code(report: dict) -> int:
@@ -232,8 +270,9 @@ def describe(report: dict) -> list[str]:
             trust = "trusted signer"
         elif c["local_certificate"]:
             trust = "SELF-SIGNED, untrusted (this machine's local avatarstream certificate)"
-        elif c["self_signed"]:
-            trust = "SELF-SIGNED, untrusted (an avatarstream local certificate)"
+        elif c["signer"].get("issuer") == LOCAL_ORG:
+            trust = (f"untrusted signer: its certificate is named {LOCAL_ORG!r} but is NOT this "
+                     "machine's local certificate (anyone can give a certificate that name)")
         else:
             trust = "untrusted signer (not on a C2PA trust list c2pa knows)"
         state = "valid" if c["valid"] else f"INVALID ({', '.join(c['failures']) or c['state']})"

@@ -271,9 +271,9 @@ def detect(frames: np.ndarray) -> WatermarkResult:
 
 
 def detect_video(path_or_url: str, max_frames: int = 250,
-                 headers: dict[str, str] | None = None) -> WatermarkResult:
-    """Decode up to `max_frames` frames of a video file or URL (PyAV) and detect the mark;
-    `headers` go with a URL's HTTP requests (FFmpeg's, an HLS stream's segments included)."""
+                 options: dict[str, str] | None = None) -> WatermarkResult:
+    """Decode up to `max_frames` frames of a video file or URL (PyAV, given FFmpeg's `options`:
+    `verify` restricts what it may open of fetched bytes) and detect the mark."""
     import av
 
     if max_frames < 1:
@@ -281,8 +281,7 @@ def detect_video(path_or_url: str, max_frames: int = 250,
     luma: np.ndarray | None = None
     n = 0
     try:
-        options = {"headers": "".join(f"{k}: {v}\r\n" for k, v in headers.items())} if headers else {}
-        with av.open(str(path_or_url), options=options) as container:
+        with av.open(str(path_or_url), options=options or {}) as container:
             if not container.streams.video:
                 raise InputError(f"{path_or_url}: has no video stream")
             for frame in container.decode(video=0):

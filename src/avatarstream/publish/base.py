@@ -49,11 +49,13 @@ def end_sinks(sinks: Sequence[Sink], ok: bool) -> list[Kept]:
     beside its final path (`Kept`), for the caller to tell the user.
     """
     kept: list[Kept] = []
+    done: list[str] = []  # where the outputs that closed whole are (said when another one failed)
     error: OutputError | None = None
     for sink in sinks:
         if ok:
             try:
                 sink.close()
+                done.extend(_written(sink))
                 continue
             except OutputError as e:
                 error = error or e
@@ -67,8 +69,18 @@ def end_sinks(sinks: Sequence[Sink], ok: bool) -> list[Kept]:
         else:
             sink.abort()
     if error is not None:
-        raise OutputError(with_kept(str(error), kept)) from error
+        raise OutputError("; ".join([with_kept(str(error), kept), *done])) from error
     return kept
+
+
+def _written(sink: Sink) -> list[str]:
+    """"the complete video is in OUT (signed ...)" for a sink that closed whole and has a path."""
+    path = getattr(sink, "path", None)
+    if path is None:
+        return []
+    signed = getattr(sink, "signed", None)
+    how = " (signed with its content credentials)" if getattr(signed, "signed", False) else ""
+    return [f"the complete video is in {path}{how}"]
 
 
 def with_kept(message: str, kept: Sequence[Kept]) -> str:

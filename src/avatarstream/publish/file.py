@@ -57,12 +57,14 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import av
 
 from avatarstream.errors import OutputError
+from avatarstream.publish import interrupt
 from avatarstream.publish.encoder import AVEncoder, EncodingSink
 from avatarstream.publish.output import AtomicOutput, Kept, os_reason
 
@@ -247,6 +249,7 @@ class FragmentedMP4Sink(EncodingSink):
         self.fsync = fsync
         self.durable_frames = 0
         self.writing = self.path
+        self._finished = False  # the muxer finished the file (it may still be unsigned)
         self._target = AtomicOutput(self.path) if atomic else None
         self._file: FragmentFile | None = None
         self._container: av.container.OutputContainer | None = None
@@ -303,39 +306,48 @@ class FragmentedMP4Sink(EncodingSink):
     def close(self) -> None:
         """Finish the file, sign it when the sink has credentials; in atomic mode rename it over
         `path`. On an OutputError the partial file and the lock stay: follow with `keep` or
-        `abort`."""
+        `abort`. Signing and the rename finish whatever signal comes (publish/interrupt.py): the
+        run then ends with `path` complete and signed, and says so."""
         finished = self._container is not None
         if finished:
             super().close()
-        if finished and self.credentials is not None:
-            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
-        if self._target is None:
-            return
-        if self._target.partial is None:
-            self._target.discard()  # reserved, never opened: drop the lock
-            return
-        self._target.commit()
-        self.writing = self.path
+            self._finished = True
+        with interrupt.held() as signals:
+            try:
+                if finished and self.credentials is not None:
+                    self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
+                if self._target is None:
+                    return
+                if self._target.partial is None:
+                    self._target.discard()  # reserved, never opened: drop the lock
+                    return
+                self._target.commit()
+                self.writing = self.path
+            finally:
+                if signals:
+                    _finished_anyway(signals, self.writing, self.signed)
 
     def keep(self) -> Kept | None:
         """The run failed: finish what was written (a full disk cannot take more: the file then
         ends at its last whole fragment) and, in atomic mode, leave it under its partial name when
         it has frames (returned), else delete it. In place: kept at `path` when it has frames."""
         wrote = self._file is not None
-        whole = False  # finished without a write error: a file that can be signed
+        whole = self._finished  # finished without a write error: a file that can be signed
         if self._container is not None:
             try:
                 super().close()
                 whole = True
             except OutputError as e:
                 log.debug("finishing the kept %s: %s", self.writing, e)
-        if whole and self.credentials is not None and self.durable_frames > 0:
-            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
+        unsigned = self.signed is None or not self.signed.signed
+        if whole and unsigned and self.credentials is not None and self.durable_frames > 0:
+            with interrupt.held():  # already stopping: a second Ctrl-C waits for the signing
+                self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
         if self._target is None:
             if wrote and self.durable_frames <= 0:
                 self.path.unlink(missing_ok=True)
             return None
-        return self._target.keep(self.durable_frames)
+        return _with_signing(self._target.keep(self.durable_frames), self.credentials, self.signed)
 
     def abort(self) -> None:
         """Stop without finishing and delete what this run wrote (in atomic mode the partial file;
@@ -374,15 +386,21 @@ class ReservedOutput:
         self.signed: Signed | None = None
 
     def close(self) -> None:
-        if self.credentials is not None:
-            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
-        self._target.commit()
+        with interrupt.held() as signals:
+            try:
+                if self.credentials is not None:
+                    self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
+                self._target.commit()
+            finally:
+                if signals:
+                    _finished_anyway(signals, self.path, self.signed)
 
     def keep(self) -> Kept | None:
         self.durable_frames = decodable_frames(self.writing)
         if self.credentials is not None and self.durable_frames > 0:
-            self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
-        return self._target.keep(self.durable_frames)
+            with interrupt.held():
+                self.signed = self.credentials.sign_in_place(self.writing, self.path.name)
+        return _with_signing(self._target.keep(self.durable_frames), self.credentials, self.signed)
 
     def abort(self) -> None:
         self._target.discard()
@@ -395,3 +413,20 @@ def decodable_frames(path: Path) -> int:
             return sum(1 for packet in c.demux(video=0) if packet.size)
     except (av.FFmpegError, OSError, IndexError, ValueError):
         return 0
+
+
+def _finished_anyway(signals: list[int], path: Path, signed: Signed | None) -> None:
+    """A signal came while the finished file was being signed and renamed: say where it is."""
+    what = ("complete and signed" if signed is not None and signed.signed else
+            "complete but NOT signed (no content credentials)" if signed is not None else "complete")
+    log.warning("%s came while the video was being signed: that was finished first; %s is %s",
+                interrupt.names(signals), path, what)
+
+
+def _with_signing(kept: Kept | None, credentials: ContentCredentials | None,
+                  signed: Signed | None) -> Kept | None:
+    """`kept`, noting that it is unsigned when it should have been signed and is not."""
+    if kept is None or credentials is None or (signed is not None and signed.signed):
+        return kept
+    why = signed.error if signed is not None and signed.error else "the run ended before it was whole"
+    return replace(kept, unsigned=why)

@@ -9,13 +9,16 @@ same extension, so a player opens it while it grows). `commit` syncs the partial
 gives it the old file's permissions and renames it over the final path, then syncs the folder: a
 reader of the final path sees the old file or the whole new one, never a mix, even after a power
 loss. `keep` leaves a failed run's partial where it is (the caller names it to the user) and
-`discard` deletes it; neither touches the final path.
+`discard` deletes it; neither touches the final path. Signing (provenance/credentials.py) writes a
+copy beside the file it signs (`….signing-<pid>.mp4`) and renames it over that file; a copy left by
+a run killed while signing (kill -9) is deleted by the next run that takes the same lock.
 
 One writer per path
 -------------------
 `OutputLock` holds an exclusive `flock` on a sidecar `<final>.lock` that records the writer's pid.
 The kernel drops the lock when its process dies (even by kill -9), so a lock file left by a dead
-run is taken over, never waited on; the sidecar is deleted on release. A second writer is refused
+run is taken over, never waited on; the sidecar is deleted on release (also after Ctrl-C or SIGTERM,
+which end a run as an interruption: publish/interrupt.py). A second writer is refused
 at once with the first one's pid. `flock` is advisory: other programs writing the same path are
 not stopped, only avatarstream runs (and anything that takes the same lock).
 """
@@ -146,9 +149,14 @@ class Kept:
     final: Path
     path: Path
     frames: int
+    unsigned: str | None = None  # why it carries no content credentials when it should
 
     def note(self) -> str:
-        return f"the {self.frames} frames written are kept in {self.path} (playable); {self.final} is unchanged"
+        note = (f"the {self.frames} frames written are kept in {self.path} (playable); "
+                f"{self.final} is unchanged")
+        if self.unsigned:
+            note += f"; {self.path.name} is NOT signed (no content credentials: {self.unsigned})"
+        return note
 
 
 class AtomicOutput:
@@ -165,6 +173,7 @@ class AtomicOutput:
         if self.lock.held:
             return
         self.lock.acquire()
+        _remove_dead_signing(self.final)
         dead = self.lock.stale_pid
         if dead is not None and dead != os.getpid():
             stem, suffix = glob.escape(self.final.stem), glob.escape(self.final.suffix)
@@ -214,6 +223,28 @@ class AtomicOutput:
             self.partial.unlink(missing_ok=True)
             self.partial = None
         self.lock.release()
+
+
+def _remove_dead_signing(final: Path) -> None:
+    """Delete the signing copies (`<stem>[.partial-<tag>].signing-<pid><suffix>`) that runs killed
+    while signing (kill -9) left beside `final`: unfinished copies of a file that is still there
+    (the partial, or `final`). Called under `final`'s lock; a live process's copy is left alone."""
+    stem, suffix = glob.escape(final.stem), glob.escape(final.suffix)
+    for copy in final.parent.glob(f"{stem}.*signing-*{suffix}"):
+        pid = copy.name[: -len(final.suffix) or None].rpartition(".signing-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            log.info("removing %s, an unfinished signing copy of a run (pid %s) that was killed", copy, pid)
+            copy.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _fsync_path(path: Path) -> None:

@@ -42,8 +42,10 @@ holding the GIL, so a server that accepts and never answers would freeze the who
 every network read and write there times out after `io_timeout_s` (`rw_timeout`). The fifo holds
 `fifo_packets` packets; a write into a full fifo blocks the sink's thread only.
 
-`reserve` (before any work) checks the URL's scheme and that its host accepts TCP connections: a
-wrong URL or an unreachable server is one `ConfigError` / `OutputError`. After that the sink never
+The URL is parsed strictly and shown without its secrets (rtmp_url.py). `reserve` (before any
+work) checks that its host resolves and accepts TCP connections, and an rtmp:// stream then
+connects to the address checked: a wrong URL or an unreachable server is one `ConfigError` /
+`OutputError`. After that the sink never
 fails a run for the network's sake: when a connection fails (refused, timed out, dropped by the
 server) it connects again after an exponential back-off (`backoff_s`: 0.5 s doubling up to 8 s,
 back to 0.5 s after a connection that was seen writing: more packets went into it than its fifo
@@ -67,89 +69,23 @@ are refused by `reserve` with that reason; an FFmpeg with libsrt would take them
 from __future__ import annotations
 
 import heapq
-import io
 import itertools
 import logging
-import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from fractions import Fraction
-from urllib.parse import urlsplit
 
 import av
 
-from avatarstream.errors import ConfigError, OutputError
+from avatarstream.errors import OutputError
 from avatarstream.media.frames import AudioChunk, VideoChunk
 from avatarstream.publish.encoder import AVEncoder
 from avatarstream.publish.output import os_reason
+from avatarstream.publish.rtmp_packets import TS_SHIFT as TS_SHIFT  # the timeline's shift on the wire
+from avatarstream.publish.rtmp_packets import PacketTap, Queued, close_quietly, dict_string, on_the_wire
+from avatarstream.publish.rtmp_url import RTMPTarget, first_reachable, parse_rtmp_url, resolve
 
 log = logging.getLogger(__name__)
-
-FORMATS = {"rtmp": "flv", "rtmps": "flv", "srt": "mpegts"}  # URL scheme -> muxer
-_PORTS = {"rtmp": 1935, "rtmps": 443}
-_MS = Fraction(1, 1000)  # FLV's time base
-# added to every timestamp on the wire: the AAC encoder's first packet (its priming, 1024 samples:
-# 64 ms at 16 kHz) comes before media time 0, and the FLV muxer would shift a connection that
-# starts with a negative timestamp to 0 (only the first one: the timeline would jump back 64 ms
-# at a reconnect)
-TS_SHIFT = Fraction(1, 10)
-
-
-def check_url(url: str) -> str:
-    """The muxer for `url`; a ConfigError naming the schemes taken when it is not one of them."""
-    parts = urlsplit(url)
-    if parts.scheme not in FORMATS or not parts.hostname:
-        raise ConfigError(f"cannot publish to {redacted(url)}: give an rtmp://, rtmps:// or srt:// "
-                          f"URL with a host, e.g. rtmp://live.example.com/app/STREAM-KEY")
-    return FORMATS[parts.scheme]
-
-
-def redacted(url: str) -> str:
-    """`url` with its stream key (the last path part, and any query) hidden, for logs and errors."""
-    parts = urlsplit(url)
-    head, _, key = parts.path.rpartition("/")
-    if not key or parts.scheme not in ("rtmp", "rtmps"):
-        return f"{parts.scheme}://{parts.netloc}{parts.path}" if parts.scheme else url
-    return f"{parts.scheme}://{parts.netloc}{head}/***"
-
-
-class _PacketTap:
-    """Stands in for the output container of an `AVEncoder`: its streams come from a container
-    that is never written (FLV, so the encoders put SPS/PPS and AAC config in the extradata each
-    new connection's FLV header needs), and what the encoder muxes is collected."""
-
-    def __init__(self, fmt: str) -> None:
-        self.codecs = av.open(_Discard(), "w", format=fmt)
-        self.packets: list[av.Packet] = []
-
-    def add_stream(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return self.codecs.add_stream(*args, **kwargs)
-
-    def mux(self, packets: list[av.Packet]) -> None:
-        self.packets.extend(packets)
-
-
-class _Discard(io.RawIOBase):
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:  # type: ignore[no-untyped-def,override]
-        return len(b)
-
-
-@dataclass(frozen=True)
-class _Queued:
-    chunk: VideoChunk | AudioChunk | None  # None: the end of the stream
-    arrived: float
-
-    @property
-    def seconds(self) -> float:
-        c = self.chunk
-        if isinstance(c, VideoChunk):
-            return c.frames.shape[0] / c.fps
-        return 0.0 if c is None else c.samples.shape[0] / c.sample_rate
 
 
 class RTMPSink:
@@ -160,13 +96,16 @@ class RTMPSink:
     False: `close` returns at once and the sink's thread sends the rest on its own (a live
     session's sinks are closed on the scheduler thread, which must not wait for a network)."""
 
-    def __init__(self, url: str, *, crf: int = 23, preset: str = "veryfast",
+    def __init__(self, url: str | RTMPTarget, *, crf: int = 23, preset: str = "veryfast",
                  max_queue_s: float = 4.0, max_late_s: float = 2.0,
                  backoff_s: tuple[float, float] = (0.5, 8.0), connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 2.0, fifo_packets: int = 64, close_timeout_s: float = 10.0,
-                 wait_on_close: bool = True, max_ahead_s: float | None = None) -> None:
-        self.url = url
-        self.format = check_url(url)
+                 wait_on_close: bool = True, max_ahead_s: float | None = None,
+                 address: str | None = None) -> None:
+        self.target = url if isinstance(url, RTMPTarget) else parse_rtmp_url(url)
+        self.url = self.target.shown  # never the secrets (rtmp_url.py)
+        self.format = self.target.format
+        self.address = address  # the IP every connection goes to (None: FFmpeg resolves the host)
         self.crf, self.preset = crf, preset
         self.max_queue_s, self.max_late_s = max_queue_s, max_late_s
         self.backoff_s = backoff_s
@@ -183,13 +122,13 @@ class RTMPSink:
         self.reconnects = 0
         self.errors = 0
         self.last_error: str | None = None
-        self._inbox: deque[_Queued] = deque()
+        self._inbox: deque[Queued] = deque()
         self._queued_s = {VideoChunk: 0.0, AudioChunk: 0.0}
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
         self._enc: AVEncoder | None = None
-        self._tap: _PacketTap | None = None
+        self._tap: PacketTap | None = None
         self._heap: list[tuple[float, int, av.Packet]] = []  # (media s, order, packet)
         self._order = itertools.count()
         self._anchor: float | None = None  # wall clock of media time 0
@@ -206,39 +145,42 @@ class RTMPSink:
     # -- before the run --------------------------------------------------------------------------
     def reserve(self) -> None:
         """Check that the server can be reached now (before any work): an OutputError when the
-        host does not resolve or refuses connections, or the protocol is missing from FFmpeg."""
-        parts = urlsplit(self.url)
-        if parts.scheme == "srt":
+        host does not resolve or refuses connections, or the protocol is missing from FFmpeg.
+        An rtmp:// stream then connects to the address checked (rtmp_url.py: no DNS rebinding);
+        rtmps:// keeps the host name (TLS SNI)."""
+        if self.target.scheme == "srt":
             self._check_protocol()
             return
-        port = parts.port or _PORTS[parts.scheme]
-        try:
-            with socket.create_connection((parts.hostname, port), timeout=self.connect_timeout_s):
-                pass
-        except OSError as e:
-            raise OutputError(f"cannot publish to {redacted(self.url)}: {os_reason(e) or e}") from e
+        pinned = self.address or first_reachable(self.target, resolve(self.target),
+                                                 self.connect_timeout_s)
+        if self.target.scheme == "rtmp":
+            self.address = pinned
 
     def _check_protocol(self) -> None:
         try:
-            out = av.open(self.url, "w", format=self.format)
+            out = av.open(self.target.ffmpeg_url(), "w", format=self.format)
         except av.FFmpegError as e:
-            raise OutputError(f"cannot publish to {redacted(self.url)}: {e}") from e
+            raise OutputError(f"cannot publish to {self.url}: {self._scrub(e)}") from None
         try:
             out.add_stream("aac", rate=16000)
             out.start_encoding()  # opens the URL: "protocol not found" without libsrt
-        except av.ProtocolNotFoundError as e:
-            scheme = urlsplit(self.url).scheme
-            raise OutputError(f"cannot publish to {redacted(self.url)}: this FFmpeg (PyAV "
-                              f"{av.__version__}) has no {scheme} protocol") from e
+        except av.ProtocolNotFoundError:
+            raise OutputError(f"cannot publish to {self.url}: this FFmpeg (PyAV {av.__version__}) "
+                              f"has no {self.target.scheme} protocol") from None
         except (OSError, av.FFmpegError) as e:
-            raise OutputError(f"cannot publish to {redacted(self.url)}: {e}") from e
+            raise OutputError(f"cannot publish to {self.url}: {self._scrub(e)}") from None
         finally:
-            _close_quietly(out)
+            close_quietly(out, self._scrub)
+
+    def _scrub(self, e: BaseException | str) -> str:
+        """An error's text without this URL's secrets."""
+        text = e if isinstance(e, str) else (os_reason(e) or str(e))
+        return self.target.scrub(text, self.address)
 
     # -- the Sink protocol -----------------------------------------------------------------------
     def open(self, width: int, height: int, fps: int, sample_rate: int) -> None:
         """Set up the encoders and start the sending thread (it connects at the first packet)."""
-        self._tap = _PacketTap(self.format)
+        self._tap = PacketTap(self.format)
         self._enc = AVEncoder(self._tap, width, height, fps, sample_rate,  # type: ignore[arg-type]
                               crf=self.crf, preset=self.preset, keyint=2 * fps)
         self._thread = threading.Thread(target=self._run, name="avatarstream-rtmp", daemon=True)
@@ -257,8 +199,8 @@ class RTMPSink:
         kind = type(chunk)
         with self._cond:
             self._hold_back(self._written_s[kind])
-            self._written_s[kind] += _Queued(chunk, 0.0).seconds
-        item = _Queued(chunk, time.monotonic())
+            self._written_s[kind] += Queued(chunk, 0.0).seconds
+        item = Queued(chunk, time.monotonic())
         with self._cond:
             if self._queued_s[kind] + item.seconds > self.max_queue_s and self._queued_s[kind] > 0:
                 self._count_drop(chunk, "the sender is behind (queue full)")
@@ -288,14 +230,14 @@ class RTMPSink:
         if self._thread is None:
             return
         with self._cond:
-            self._inbox.append(_Queued(None, time.monotonic()))
+            self._inbox.append(Queued(None, time.monotonic()))
             self._cond.notify()
         if not self.wait_on_close:
             return
         self._join(self._backlog_s() + self.max_late_s + self.close_timeout_s)
-        log.info("rtmp %s: %s", redacted(self.url), self.stats())
+        log.info("rtmp %s: %s", self.url, self.stats())
         if not self._published and self.last_error is not None:
-            raise OutputError(f"nothing was published to {redacted(self.url)}: {self.last_error}")
+            raise OutputError(f"nothing was published to {self.url}: {self.last_error}")
 
     def abort(self) -> None:
         """Stop now: drop what is queued and disconnect."""
@@ -318,14 +260,14 @@ class RTMPSink:
                 self._count_drop(chunk, "the server takes no data")
             self.frames_dropped += sum(p.stream.type == "video" for _, _, p in list(self._heap))
             log.warning("rtmp %s: the server takes no data; leaving its connection behind (%s)",
-                        redacted(self.url), self.stats())
+                        self.url, self.stats())
         self._thread = None
 
     def stats(self) -> dict:
         """Counters: video frames sent (handed to a connection) / dropped, audio dropped (s),
         reconnects, network errors (failed connections included), whether a connection is open,
         the last network error."""
-        return {"url": redacted(self.url), "frames_sent": self.durable_frames,
+        return {"url": self.url, "frames_sent": self.durable_frames,
                 "frames_dropped": self.frames_dropped,
                 "audio_dropped_s": round(self.audio_dropped_s, 3), "reconnects": self.reconnects,
                 "errors": self.errors, "connected": self._out is not None,
@@ -352,11 +294,11 @@ class RTMPSink:
                     continue
                 self._step()
         except Exception:  # noqa: BLE001 - a bug must not kill generation: log it, stop publishing
-            log.exception("rtmp %s: the sender failed", redacted(self.url))
+            log.exception("rtmp %s: the sender failed", self.url)
         finally:
             self._disconnect()
             if self._tap is not None:
-                _close_quietly(self._tap.codecs)
+                close_quietly(self._tap.codecs)
 
     def _wait(self, seconds: float | None) -> None:
         """Sleep until `seconds` passed or something new is queued (or the sink stops)."""
@@ -364,7 +306,7 @@ class RTMPSink:
             if not self._inbox and not self._stop:
                 self._cond.wait(seconds)
 
-    def _encode(self, item: _Queued) -> None:
+    def _encode(self, item: Queued) -> None:
         """Encode a queued chunk (or flush the encoders at the end) into timed packets."""
         assert self._enc is not None and self._tap is not None
         chunk = item.chunk
@@ -406,7 +348,7 @@ class RTMPSink:
         heapq.heappop(self._heap)
         try:
             packet.stream = self._streams[packet.stream.type]
-            _on_the_wire(packet)
+            on_the_wire(packet)
             self._out.mux(packet)  # blocks (without the GIL) only while the fifo is full
         except (OSError, av.FFmpegError) as e:
             self._failed(e)
@@ -440,31 +382,33 @@ class RTMPSink:
         us = str(round(self.io_timeout_s * 1e6))
         try:
             self._tap.codecs.start_encoding()  # once: the streams' parameters, extradata included
-            out = av.open(self.url, "w", format="fifo", container_options={
-                "fifo_format": self.format, "format_opts": f"rw_timeout={us}",
+            opts = {"rw_timeout": us, **self.target.ffmpeg_options(self.address)}
+            out = av.open(self.target.ffmpeg_url(self.address), "w", format="fifo",
+                          container_options={
+                "fifo_format": self.format, "format_opts": dict_string(opts),
                 "queue_size": str(self.fifo_packets), "attempt_recovery": "0"})
             self._streams = {"video": out.add_stream_from_template(self._enc.video),
                              "audio": out.add_stream_from_template(self._enc.audio)}
             out.start_encoding()
         except (OSError, av.FFmpegError) as e:  # no connection is made here: a bug, not the network
-            raise RuntimeError(f"cannot set up the RTMP muxer: {e}") from e
+            raise RuntimeError(f"cannot set up the RTMP muxer: {self._scrub(e)}") from None
         self._out = out
         self._need_key = True
         if self._connections:
             self.reconnects += 1
             log.warning("rtmp %s: reconnecting (%d reconnects, %d frames dropped so far)",
-                        redacted(self.url), self.reconnects, self.frames_dropped)
+                        self.url, self.reconnects, self.frames_dropped)
         self._connections += 1
 
     def _failed(self, e: BaseException) -> None:
         """The connection failed (refused, timed out, dropped by the server): end it and start a
         new one after the back-off; back-off doubles while no frame got through."""
-        self.last_error = os_reason(e) or str(e)
+        self.last_error = self._scrub(e)
         self.errors += 1
         if self._packets_on_connection > self.fifo_packets:
             self._backoff = self.backoff_s[0]
         self._disconnect()
-        log.warning("rtmp %s: %s; connecting again in %.1f s", redacted(self.url),
+        log.warning("rtmp %s: %s; connecting again in %.1f s", self.url,
                     self.last_error, self._backoff)
         self._next_try = time.monotonic() + self._backoff
         self._backoff = min(2 * self._backoff, self.backoff_s[1])
@@ -475,7 +419,7 @@ class RTMPSink:
         out, self._out = self._out, None
         self._packets_on_connection = 0
         if out is not None:
-            _close_quietly(out)
+            close_quietly(out, self._scrub)
 
     def _backlog_s(self) -> float:
         """Seconds until the last packet encoded or queued is due (0 when nothing waits)."""
@@ -484,19 +428,3 @@ class RTMPSink:
         with self._cond:
             queued = sum(item.seconds for item in self._inbox)
         return max(0.0, self._anchor + self._last_t + queued - time.monotonic())
-
-
-def _on_the_wire(packet: av.Packet) -> None:
-    """Restamp a packet in FLV's milliseconds, `TS_SHIFT` later."""
-    tb = packet.time_base
-    packet.pts = round((packet.pts * tb + TS_SHIFT) / _MS)
-    packet.dts = round((packet.dts * tb + TS_SHIFT) / _MS)
-    packet.duration = round(packet.duration * tb / _MS)
-    packet.time_base = _MS
-
-
-def _close_quietly(out: av.container.OutputContainer) -> None:
-    try:
-        out.close()
-    except (OSError, av.FFmpegError) as e:
-        log.debug("closing a failed connection: %s", e)

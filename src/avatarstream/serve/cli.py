@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for avatars (SQLite + tensors), renders and live session files")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY", help=KEYS_HELP)
     p.add_argument("--rtmp-allow", default="*", metavar="HOSTS",
-                   help="comma-separated hosts (fnmatch patterns: *.example.com) a session's "
-                        "rtmp_url may push to; anything else is a 400 (default: * = any host; "
-                        "\"\" turns RTMP off)")
+                   help="comma-separated hosts (fnmatch patterns: *.example.com) and IP "
+                        "addresses or networks (10.0.0.0/8) a session's rtmp_url may push to; "
+                        "anything else is a 400. A pattern admits public addresses only; "
+                        "loopback, private and link-local ones only when named exactly (host or "
+                        "network). Default: * = any host on a public address; \"\" turns RTMP off "
+                        "(docs/security.md)")
     p.add_argument("--idle-timeout", type=float, default=30.0,
                    help="end a session after this many seconds without speech or keep-alive")
     p.add_argument("--max-sessions", type=int, default=None,
@@ -58,6 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a piper voice model for the 'piper' TTS voice (needs avatarstream[piper])")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_limit_arguments(p)
+
+
+def _rtmp_allow(text: str) -> tuple[str, ...]:
+    """--rtmp-allow's entries, each checked now (a ConfigError names one that is not usable)."""
+    from avatarstream.serve.rtmp_gate import RTMPPolicy
+
+    entries = tuple(h.strip().lower() for h in text.split(",") if h.strip())
+    RTMPPolicy.parse(entries)
+    return entries
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,18 +101,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_sessions=args.max_sessions, playout_delay_s=args.playout_delay,
         piper_voice=args.piper_voice, batching=not args.no_batching,
         seconds_per_chunk=args.seconds_per_chunk,
-        rtmp_allow=tuple(h.strip().lower() for h in args.rtmp_allow.split(",") if h.strip()),
+        rtmp_allow=_rtmp_allow(args.rtmp_allow),
     )
     size = None if args.size is None else parse_size(args.size)
     if size is not None:  # checked before any weight is read: the multiple the model needs
         model_spec_for(model).pipeline().with_size(*size)
+    say(f"loading model {model} on {args.device}...")
     models = load_model(model, device=args.device, lora=args.lora)
     if size is not None:
         models = dataclasses.replace(models, config=models.config.with_size(*size))
     if args.no_watermark:
         models = dataclasses.replace(models, config=dataclasses.replace(models.config, watermark=False))
     app = make_app(models, config)
-    log.info("serving %s on http://%s:%d (data in %s)", model, args.host, args.port,
-             config.data_dir)
-    serve_app(app, args.host, args.port)
+    say("measuring how many live sessions this machine keeps in real time (a minute or so; "
+        "--max-sessions N skips it)..." if args.max_sessions is None else "warming up the model...")
+    serve_app(app, args.host, args.port, on_listening=lambda: announce(app, args.host, args.port, config))
     return {"host": args.host, "port": args.port, "model": model}
+
+
+def say(line: str) -> None:
+    """One progress line on stderr (stdout keeps the summary)."""
+    print(f"avatarstream serve: {line}", file=sys.stderr, flush=True)
+
+
+def urls(host: str, port: int) -> list[str]:
+    """The URLs a browser on this machine (or another) reaches the server at."""
+    if host in ("0.0.0.0", "::", ""):
+        return [f"http://127.0.0.1:{port}/ (and this machine's other addresses: listening on all)"]
+    return [f"http://{f'[{host}]' if ':' in host else host}:{port}/"]
+
+
+def announce(app: Any, host: str, port: int, config: Any) -> None:
+    """What the operator needs once the server listens: where, and what it calibrated."""
+    from avatarstream.serve.app import MODELS, SCHEDULER, SESSIONS
+
+    cap, models = app[SCHEDULER].capacity, app[MODELS]
+    for url in urls(host, port):
+        say(f"listening on {url} (web page; API under /v1, schema /openapi.json)")
+    if cap is not None:
+        say(cap.describe(models.config.fps))
+    say(f"WebRTC playout delay {app[SESSIONS].playout_delay_s:.2f} s; data in {config.data_dir}; "
+        "Ctrl-C stops")
+    log.info("serving %s on %s:%d", models.name, host, port)

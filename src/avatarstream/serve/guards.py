@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from avatarstream.serve.app import api_key, error
+from avatarstream.serve.common import api_key, error
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

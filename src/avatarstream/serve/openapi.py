@@ -50,7 +50,9 @@ CLEARED = _obj({"type": {"type": "string", "enum": ["cleared"]}, "dropped_s": NU
 
 _WHY = {400: "a malformed request or unusable input", 401: "no (accepted) bearer key",
         404: "not found, or not this key's", 413: "the body is over its limit",
-        415: "an unsupported Content-Type", 501: "WebRTC is not installed on the server",
+        415: "an unsupported Content-Type",
+        429: "too many RTMP targets checked for this key or server (Retry-After)",
+        501: "WebRTC is not installed on the server",
         503: "no capacity for one more live session (Retry-After)",
         507: "the server's disk is full"}
 
@@ -128,7 +130,7 @@ def openapi_schema(limits: Limits | None = None) -> dict:
                            "in real time", "security": _BEARER,
                 "requestBody": _body(_obj({"avatar_id": S, "hls": BOOL, "rtmp_url": S}, ["avatar_id"])),
                 "responses": _answers({201: _json(SESSION, "the session, its token and URLs")},
-                                      401, 404, 413, 503, 507)}},
+                                      401, 404, 413, 429, 503, 507)}},
             "/v1/sessions/{id}": {
                 "get": {"summary": "session state: idle/talking/ended, media time, lag, events",
                         **session_op,

@@ -19,8 +19,8 @@ import numpy as np
 from aiohttp import web
 
 from avatarstream.errors import AvatarStreamError, InputError
-from avatarstream.serve.app import (AVATARS, MODELS, RECORDS, RENDERS, SCHEDULER, TTS, UPLOADS,
-                                    error, read_body, read_json)
+from avatarstream.serve.common import (AVATARS, MODELS, RECORDS, RENDERS, SCHEDULER, TTS, UPLOADS,
+                                       error, read_body, read_json)
 from avatarstream.serve.avatars import UnsupportedUploadError, key_fingerprint, upload_type
 from avatarstream.serve.guards import caller_key, resolved
 

@@ -12,21 +12,19 @@ a reason that says the limit.
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import re
 import secrets
-from urllib.parse import urlsplit
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from avatarstream.errors import AvatarStreamError, InputError
-from avatarstream.publish.rtmp import RTMPSink
-from avatarstream.serve.app import AVATARS, CONFIG, SESSIONS, TTS, api_key, error, read_json
+from avatarstream.serve.common import AVATARS, CONFIG, SESSIONS, TTS, api_key, error, read_json
 from avatarstream.serve.avatars import key_fingerprint
 from avatarstream.serve.guards import caller_key, resolved
 from avatarstream.serve.hls import NAME as HLS_NAME
 from avatarstream.serve.hls import PLAYLIST
 from avatarstream.serve.limits import parse_json
+from avatarstream.serve.rtmp_gate import RTMPGate, RTMPRefused
 from avatarstream.serve.sessions import AdmissionError, Entry
 
 _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
@@ -34,6 +32,7 @@ _SESSION_ID = re.compile(r"^[0-9a-f]{24}$")
 # closes with 1009 before reading it (the memory a socket can hold stays bounded).
 _READ_OVER_LIMIT = 4
 ROUTES = web.RouteTableDef()  # each handler's method and path stand above it
+RTMP_GATE: web.AppKey[RTMPGate] = web.AppKey("rtmp_gate", RTMPGate)
 
 
 async def _entry(request: web.Request) -> Entry | web.Response:
@@ -71,26 +70,6 @@ async def _entry_json(request: web.Request) -> tuple[Entry, dict] | web.Response
     return body if isinstance(body, web.Response) else (entry, body)
 
 
-async def _rtmp_sink(url: object, allow: tuple[str, ...]) -> RTMPSink | None | web.Response:
-    """The RTMP sink a session's `rtmp_url` asks for, its host on the server's allow-list
-    (`--rtmp-allow`) and its server checked reachable (off the event loop); a 400 naming what is
-    wrong with the URL."""
-    if url is None:
-        return None
-    if not isinstance(url, str):
-        return error(400, "rtmp_url must be a string such as rtmp://live.example.com/app/KEY")
-    try:
-        sink = RTMPSink(url, wait_on_close=False)  # the scheme checked; closed on the scheduler thread
-        host = (urlsplit(url).hostname or "").lower()
-        if not any(fnmatch.fnmatchcase(host, pattern) for pattern in allow):
-            return error(400, f"this server does not push to {host!r} (--rtmp-allow: "
-                              f"{', '.join(allow) or 'none'})")
-        await asyncio.to_thread(sink.reserve)
-    except AvatarStreamError as e:
-        return error(400, str(e))
-    return sink
-
-
 @ROUTES.post("/v1/sessions")
 @resolved(caller_key)
 async def post_session(request: web.Request, key: str) -> web.Response:
@@ -105,11 +84,20 @@ async def post_session(request: web.Request, key: str) -> web.Response:
     if avatar is None:
         return error(404, "no such avatar")
     manager = request.app[SESSIONS]
+    reason = manager.scheduler.admit()  # before any work, and before any RTMP connection
+    if reason is not None:
+        manager.refused += 1
+        return error(503, reason, **{"Retry-After": "10"})
+    rtmp = None
+    if body.get("rtmp_url") is not None:  # checked (rtmp_gate.py) before it is reserved
+        try:
+            rtmp = await request.app[RTMP_GATE].sink(key_fingerprint(key), body["rtmp_url"],
+                                                      request.app[CONFIG].rtmp_allow)
+        except RTMPRefused as e:
+            retry = {"Retry-After": str(e.retry_after)} if e.retry_after else {}
+            return error(e.status, e.message, **retry)
     frames = await asyncio.to_thread(store.frames, avatar)
     prepared = await asyncio.to_thread(store.prepared, avatar, manager.models)
-    rtmp = await _rtmp_sink(body.get("rtmp_url"), request.app[CONFIG].rtmp_allow)
-    if isinstance(rtmp, web.Response):
-        return rtmp
     try:
         sid, entry = manager.open(key_fingerprint(key), frames, prepared, hls=bool(body.get("hls")),
                                   rtmp=rtmp)
@@ -293,5 +281,11 @@ async def session_hls(request: web.Request, entry: Entry) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
-    """Register this file's routes (in the order the handlers stand)."""
+    """Register this file's routes (in the order the handlers stand), and the RTMP gate."""
     app.router.add_routes(ROUTES)
+    gate = app[RTMP_GATE] = RTMPGate()
+
+    async def close_gate(_: web.Application) -> None:
+        gate.close()
+
+    app.on_cleanup.append(close_gate)

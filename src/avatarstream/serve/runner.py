@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -61,8 +62,10 @@ class JSONErrorRunner(web.AppRunner):
         return server
 
 
-def serve_app(app: web.Application, host: str, port: int) -> None:
-    """Serve `app` until SIGINT or SIGTERM (as `web.run_app`), then close it cleanly."""
+def serve_app(app: web.Application, host: str, port: int,
+              on_listening: Callable[[], None] | None = None) -> None:
+    """Serve `app` until SIGINT or SIGTERM (as `web.run_app`), then close it cleanly;
+    `on_listening` is called once the app has started and the port accepts connections."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -76,6 +79,8 @@ def serve_app(app: web.Application, host: str, port: int) -> None:
                 await web.TCPSite(runner, host, port).start()
             except OSError as e:  # the port is taken, the address is not this machine's
                 raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+            if on_listening is not None:
+                on_listening()
             await stop.wait()
         finally:
             await runner.cleanup()

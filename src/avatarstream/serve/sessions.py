@@ -12,10 +12,12 @@ Sessions do not outlive the server: a stopping server closes every session's soc
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import secrets
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,7 +34,7 @@ from avatarstream.live.sinks import BackgroundSink
 from avatarstream.publish.rtmp import RTMPSink
 
 if TYPE_CHECKING:
-    from avatarstream.serve.app import ServerConfig
+    from avatarstream.serve.config import ServerConfig
     from avatarstream.serve.webrtc import Playout, WebRTCPeer
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,24 @@ log = logging.getLogger(__name__)
 
 class AdmissionError(Exception):
     """A new session would not be served in real time (HTTP 503, with the reason)."""
+
+
+TRIM_EVERY_S = 5.0  # at most this often, once sessions have ended, free memory goes back
+
+
+def release_free_memory() -> bool:
+    """Give the C heap's free pages back to the system (glibc `malloc_trim`); False where
+    there is no glibc. A session's frames, encoders and peers are freed when it ends, but glibc
+    keeps freed pages inside its heaps (one per allocating thread): after 12 rounds of 20
+    clients the server held 634 MB without this, 452 MB with it (`bench server-soak`), while
+    its live Python objects stayed the same from round to round."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 @dataclass
@@ -85,6 +105,7 @@ class SessionManager:
         self.entries: dict[str, Entry] = {}
         self.playout_delay_s = config.playout_delay_s if config.playout_delay_s is not None else 0.5
         self.refused = 0
+        self._trim_due: float | None = None  # when ended sessions' memory goes back (reap)
 
     def open(self, owner: str, frames: torch.Tensor, prepared: PreparedReference, *,
              hls: bool = False, rtmp: RTMPSink | None = None) -> tuple[str, Entry]:
@@ -166,6 +187,8 @@ class SessionManager:
         for ws in list(entry.sockets):
             await ws.close(code=code, message=reason.encode()[:123])
         shutil.rmtree(entry.dir, ignore_errors=True)
+        if self._trim_due is None:
+            self._trim_due = time.monotonic() + TRIM_EVERY_S
 
     async def reap(self) -> None:
         """Clean up sessions that ended on their own (idle timeout, failure), and viewers whose
@@ -175,6 +198,9 @@ class SessionManager:
                 await self.close(sid)
             elif e.peer is not None and e.peer.closed.is_set():
                 await self.detach_viewer(e)
+        if self._trim_due is not None and time.monotonic() >= self._trim_due:
+            self._trim_due = None
+            await asyncio.to_thread(release_free_memory)
 
     async def close_all(self) -> None:
         """The server is stopping: every session ends, its clients told so."""

@@ -85,6 +85,8 @@ def _export_parser() -> argparse.ArgumentParser:
 
 
 def _parse(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
+    # `train FORM --help` shows that form's options (before its required ones are missed)
+    parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
     ns, extra = parser.parse_known_args(rest)
     if extra:
         raise ConfigError(f"{parser.prog}: unrecognised arguments: {' '.join(extra)}")
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if ns.max_steps is not None and ns.max_steps < 1:
         raise ConfigError("--max-steps must be at least 1")
     if ns.nproc:  # checked here first: a bad recipe is one message, not one a rank
-        from avatarstream.train.distributed import check_split, launch, without_nproc
+        from avatarstream.train.distributed import check_split
+        from avatarstream.train.launch import launch, without_nproc
 
         check_split(recipe["train"]["batch"], ns.micro_batches or ns.nproc, ns.nproc)
         return launch(ns.nproc, args.recipe, without_nproc(args.rest))

@@ -1,5 +1,6 @@
 """Training under torchrun: data parallelism (DDP, or FSDP2 sharding parameters, gradients and
-optimizer state), distributed checkpoints, Muon on sharded matrices, and the launcher of `avatarstream train --nproc N`.
+optimizer state), distributed checkpoints, Muon on sharded matrices (the launcher of
+`avatarstream train --nproc N` is train/launch.py).
 
     torchrun --nproc-per-node N -m avatarstream.cli train RECIPE [--shard ddp|fsdp] ...
     avatarstream train RECIPE --nproc N ...          # starts that torchrun (standalone) for you
@@ -83,8 +84,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -94,7 +93,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from avatarstream.errors import AvatarStreamError, ConfigError
+from avatarstream.errors import ConfigError
 from avatarstream.models.dit_blocks import DiTBlock
 from avatarstream.train.checkpoints import prune, write_sidecar
 
@@ -412,38 +411,6 @@ def copy_full(state: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> 
         if isinstance(t, DTensor):
             src = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None)
         t.copy_(src)
-
-
-# -- the launcher -----------------------------------------------------------------------------------
-def without_nproc(argv: list[str]) -> list[str]:
-    """`argv` without its `--nproc N` / `--nproc=N` (what every rank of the launched job gets)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
-def launch(nproc: int, recipe: str, rest: list[str]) -> dict[str, Any]:
-    """`avatarstream train RECIPE --nproc N`: run the same command under `torchrun --standalone`
-    (N processes on this machine); rank 0's summary. The ranks' messages go to stderr as they
-    come; a failed rank -> one error here."""
-    if nproc < 1:
-        raise ConfigError("--nproc must be at least 1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--local-ranks-filter=0", "-m", "avatarstream.cli", "train", recipe, *rest, "--json"]
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    if proc.returncode != 0:
-        raise AvatarStreamError(f"training under torchrun ({nproc} processes) failed with exit code "
-                                f"{proc.returncode} (the ranks' messages are above)")
-    import json
-
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @contextlib.contextmanager

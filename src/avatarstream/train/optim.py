@@ -132,6 +132,28 @@ class MuonAdamW:
         self.t = int(t)
 
 
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` (the same coefficient `max_norm / (norm + 1e-6)`, at most
+    1), with the total norm summed in float64 so that it does not depend on how the gradients are
+    sharded: FSDP2 sums the squares of each rank's shard and then over the ranks, one process over
+    whole tensors. In float32 those orders differ in the last bits (a2v-tiny on two ranks: 2 ulp
+    on an AMD EPYC), every gradient is then scaled by another float32 coefficient, and Muon's
+    bfloat16 Newton–Schulz grows that to 4.7e-4 in the weights within 4 steps
+    (tests/train/test_distributed.py). In float64 the orders differ ~1e-16 relative, and the
+    coefficient, rounded to float32, is the same. Returns the total norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)  # a DTensor: reduced over the ranks
+    norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
+    coef = min(float(torch.tensor(max_norm / (norm + 1e-6), dtype=torch.float32)), 1.0)  # NaN stays NaN
+    if coef != 1.0:
+        torch._foreach_mul_(grads, coef)
+    return norm
+
+
 def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to `min_ratio · lr` at `total`."""
     if warmup > 0 and step < warmup:

@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +223,9 @@ class PersonalityRun:
         return float(sum(float(self.family.loss(step_generator(self.ns.seed + 7919, -1 - k))[0])
                          for k in range(draws)) / draws)
 
-    def run(self) -> dict[str, Any]:
+    def run(self, progress: Callable[[int, int, int, dict[str, float]], None] | None = None) -> dict[str, Any]:
+        """Train to `--steps` (or `--max-steps`); `progress(step, start, stop, logs)` is called before
+        the first step (logs empty) and after each one (the CLI draws its bar from it)."""
         from avatarstream.train.checkpoints import atomic_write_bytes, list_checkpoints
 
         rd, ns = self.run_dir, self.ns
@@ -236,6 +239,8 @@ class PersonalityRun:
             atomic_write_bytes(log_path, "".join(ln + "\n" for ln in keep).encode())
         start = self.step
         before = self.eval_loss() if ns.eval_draws and start == 0 else None
+        if progress is not None:
+            progress(self.step, start, stop, {})
         with open(log_path, "a") as log_f:
             while self.step < stop:
                 t0 = time.perf_counter()
@@ -248,6 +253,8 @@ class PersonalityRun:
                 log_f.flush()
                 if self.step % ns.checkpoint_every == 0 or self.step == stop:
                     self.save()
+                if progress is not None:
+                    progress(self.step, start, stop, logs)
         summary: dict[str, Any] = {"run_dir": str(rd), "family": self.family.name, "base": ns.base,
                                    "resumed": resumed, "start_step": start, "step": self.step, "steps": ns.steps,
                                    "rank": self.settings.rank, "alpha": self.settings.alpha,
@@ -295,6 +302,7 @@ def parser(cls: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
                    "and after (0: none)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
@@ -306,4 +314,31 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--max-steps must be at least 1")
     if not ns.lr > 0:
         raise ConfigError("--lr must be positive")
-    return PersonalityRun(ns).run()
+    if ns.no_progress:
+        return PersonalityRun(ns).run()
+    import sys
+
+    from tqdm import tqdm
+
+    tqdm.write(f"train personality: loading {ns.base} and the footage of {ns.footage} (the first run "
+               "encodes it)...", file=sys.stderr)
+    r = PersonalityRun(ns)
+    tqdm.write(f"train personality: {r.family.name}, {len(r.footage.pairs)} cross-scene pairs, "
+               f"{len(r.deltas)} adapted linears" + ("; measuring the loss before..." if ns.eval_draws else ""),
+               file=sys.stderr)
+    bar: Any = None
+
+    def progress(step: int, start: int, stop: int, logs: dict[str, float]) -> None:
+        nonlocal bar
+        if bar is None:  # step/total, loss, it/s and ETA (tqdm's)
+            bar = tqdm(total=stop, initial=start, desc="train personality", unit="step", file=sys.stderr,
+                       dynamic_ncols=True)
+        if logs:
+            bar.update(step - bar.n)
+            bar.set_postfix(loss=f"{logs.get('loss', float('nan')):.4f}", refresh=False)
+
+    try:
+        return r.run(progress)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -51,6 +51,7 @@ class Footage:
         for e in self.entries:
             if "identity" not in e or "scene" not in e:
                 raise InputError(f"--footage {self.root}: clip {e.get('key')!r} has no identity/scene in index.json")
+            check_inside(self.root, e)
         self.keys = [str(e["key"]) for e in self.entries]
         self.pairs = self._read_pairs()
         self._load = lru_cache(maxsize=CACHED_CLIPS)(self._record)
@@ -110,6 +111,25 @@ class Footage:
 
     def references_of(self, target: int) -> list[int]:
         return [r for r, t in self.pairs if t == target]
+
+
+def check_inside(root: Path, entry: dict[str, Any]) -> None:
+    """InputError unless the clip's files (`root/SHARD/KEY.{mkv,wav,json}`) lie inside its shard
+    folder inside `root`: a key or shard that is absolute, names `..`, or whose file (or folder) is
+    a symbolic link leading out is refused before anything is read."""
+    key, shard = entry.get("key"), entry.get("shard")
+    where = f"--footage {root}: clip {key!r} (shard {shard!r}) in index.json"
+    for v in (key, shard):
+        if (not isinstance(v, str) or not v.strip() or "\0" in v or Path(v).is_absolute()
+                or ".." in Path(v).parts or "\\" in v):
+            raise InputError(f"{where} names a file outside the footage folder; refusing to read it")
+    top = root.resolve()
+    folder = (root / shard).resolve()
+    if not folder.is_relative_to(top):
+        raise InputError(f"{where}: its shard folder leads outside the footage folder; refusing to read it")
+    for ext in ("mkv", "wav", "json"):
+        if not (root / shard / f"{key}.{ext}").resolve().is_relative_to(folder):
+            raise InputError(f"{where}: its .{ext} file leads outside its shard folder; refusing to read it")
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:

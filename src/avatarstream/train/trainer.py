@@ -48,7 +48,7 @@ from avatarstream.train.checkpoints import (CKPT_VERSION, atomic_write_bytes, li
                                             load_init, net_weights, save_checkpoint)
 from avatarstream.train.nets import vae_for
 from avatarstream.train.objectives import Task, make_task
-from avatarstream.train.optim import MuonAdamW, lr_at
+from avatarstream.train.optim import MuonAdamW, clip_grad_norm, lr_at
 from avatarstream.train.recipe import fingerprint
 
 
@@ -267,8 +267,7 @@ class Trainer:
             distributed.drop_unused_grads(self.named, used)
         t1 = time.perf_counter()
         if self.tr["grad_clip"] > 0:
-            gn = torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.tr["grad_clip"])
-            logs["grad_norm"] = distributed.full_value(gn)
+            logs["grad_norm"] = clip_grad_norm([p for _, p in self.named], self.tr["grad_clip"])
         self.opt.step(lr)
         self.opt.zero_grad()
         self._ema_update()

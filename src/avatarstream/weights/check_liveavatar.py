@@ -15,7 +15,6 @@ the files it is about to read (`header_problems`), so a folder this check passes
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -30,12 +29,14 @@ from avatarstream.models.liveavatar import LiveAvatarConfig, LiveAvatarDiT
 from avatarstream.models.wan.vae import WanVAE, WanVAEConfig
 from avatarstream.models.wav2vec2 import Wav2Vec2, Wav2Vec2Config
 from avatarstream.weights import check_memory as mem
-from avatarstream.weights.check import Network, check_wan, check_wav2vec2, count, fit, read_config, read_weights
+from avatarstream.weights.check_networks import (Network, check_wan, check_wav2vec2, count, fit, read_config,
+                                                 read_weights)
 from avatarstream.weights.headers import Bad, Stored
-from avatarstream.weights.liveavatar_folder import (CLASS_NAME, DIT_FILE, INDEX_FILE as INDEX, LIVEAVATAR, LORA_FILE,
+from avatarstream.weights.liveavatar_layout import (CLASS_NAME, DIT_FILE, INDEX_FILE as INDEX, LIVEAVATAR, LORA_FILE,
                                                     SIDECAR, T5_FILE, TOKENIZER_DIR, LiveAvatarFolder, is_download,
                                                     locate)
 from avatarstream.weights.lora import LIVEAVATAR_LORA, match_lora, target_modules
+from avatarstream.weights.validate import confine, liveavatar_dit, read_json, shard_names, sidecar
 from avatarstream.weights.plans import Geometry, Sizes, describe_plans, dit_sizes, fp8_weight, memory_plans, rank_parts
 
 
@@ -52,7 +53,7 @@ class LANetwork(Network):
     group: str = field(default="", repr=False)  # the download it belongs to (its Wan2.2-S2V-14B folder)
 
     def to_json(self) -> dict[str, Any]:
-        skip = ("folder", "config", "stored", "dit", "file", "group") + (() if self.lora else ("lora",))
+        skip = ("folder", "config", "root", "stored", "dit", "file", "group") + (() if self.lora else ("lora",))
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
 
@@ -69,7 +70,8 @@ def check_dit(net: LANetwork, audio: Wav2Vec2Config | None = None) -> None:
     """Wan2.2-S2V-14B/: config.json (WanModel_S2V kwargs) and the sharded DiT."""
     raw = read_config(net)
     if raw.get("_class_name", CLASS_NAME) != CLASS_NAME:
-        raise Bad(f"{net.shown('config.json')}: a {raw['_class_name']} config, not the {CLASS_NAME} DiT's")
+        raise Bad(f"{net.shown('config.json')}: a {str(raw['_class_name'])[:60]} config, not the {CLASS_NAME} DiT's")
+    liveavatar_dit(raw, net.shown("config.json"))
     try:
         cfg = net.config = LiveAvatarConfig.from_official(raw)
     except (TypeError, ValueError) as e:
@@ -77,10 +79,7 @@ def check_dit(net: LANetwork, audio: Wav2Vec2Config | None = None) -> None:
     if not (net.folder / INDEX).is_file():
         raise Bad(f"{net.shown(INDEX)}: missing (the DiT ships as 4 shards and this index: download it again)")
     stored = net.stored = read_weights(net, DIT_FILE)
-    try:
-        weight_map = dict(json.loads((net.folder / INDEX).read_text())["weight_map"])
-    except (OSError, KeyError, TypeError, ValueError) as e:
-        raise Bad(f"{net.shown(INDEX)}: not a shard index ({e}): download it again") from None
+    weight_map = shard_names(read_json(net.path(INDEX), net.shown(INDEX), what="shard index"), net.shown(INDEX))
     lost = [k for k in weight_map if k not in stored]
     if lost:
         net.problems.append(f"{net.shown(weight_map[lost[0]])}: does not hold {lost[0]!r}, which the index puts "
@@ -135,6 +134,8 @@ def networks(folder: LiveAvatarFolder, name: Any = str, *, lora: bool = True, t5
              LANetwork(name(folder.wav2vec), "wav2vec2", folder.wav2vec, group=group)]
     if t5 and (folder.base / T5_FILE).is_file():
         nets.append(LANetwork(name(folder.base), "umt5", folder.base, group=group))
+    for n in nets:
+        n.root = folder.trusted(n.folder)
     return nets
 
 
@@ -189,13 +190,11 @@ def sizes_of(nets: list[Network]) -> tuple[Sizes, Geometry, list[str]] | None:
               audio=2 * (audio.used_parameters if audio else _released(lambda: Wav2Vec2(Wav2Vec2Config.large()))),
               vae_width=vcfg.dim * vcfg.dim_mult[0], vae_frames=vcfg.temporal_factor)
     size = {}  # the stream size of our avatarstream.json, if any (else LiveAvatar's 720x400)
-    sidecar = dit.folder.parent / SIDECAR
-    if sidecar.is_file():
-        try:
-            extra = json.loads(sidecar.read_text())
-            size = {k: int(extra[k]) for k in ("height", "width") if k in extra}
-        except (OSError, ValueError, TypeError, AttributeError):
-            size = {}
+    try:
+        extra = sidecar(confine(dit.folder.parent / SIDECAR, dit.folder.parent))
+        size = {k: extra[k] for k in ("height", "width") if k in extra}
+    except Bad:  # reported by the Wan VAE's check
+        size = {}
     geo = Geometry(spatial=vcfg.spatial_factor, patch=cfg.patch_size[1:], framepack=cfg.framepack_buckets, **size)
     return s, geo, assumed
 

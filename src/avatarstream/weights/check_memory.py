@@ -3,7 +3,7 @@
 
 - **Weights**: the tensors the networks use (not the file's dead ones), bf16 at 2 bytes each;
   fp8 puts the DiT blocks' matrices at 1 byte and keeps everything else bf16, which is what fp8
-  weight-only quantisation stores (`flashhead-pro:DIR,fp8`: models/fp8.py). wav2vec2 stays fp32 in both, as the official pipeline runs it (flashhead.md §5).
+  weight-only quantisation stores (`flashhead-pro:DIR,fp8`: models/fp8.py). wav2vec2 stays fp32 in both, as the official pipeline runs it (docs/real-models.md, "The official FlashHead loop").
 - **Activations** at 512² (the released models' size), per network, from the config: the
   networks of a chunk run one after another (audio, DiT, VAE), so a model's peak is its largest
   network's, not the sum. Each is a number of tensors of the network's widest size, that number
@@ -29,7 +29,7 @@ from avatarstream.models.wan.vae import WanVAE, WanVAEConfig
 from avatarstream.models.wav2vec2 import Wav2Vec2, Wav2Vec2Config
 
 RES = 512  # pixels per side of the activation estimates
-CHUNK = 33  # video frames per FlashHead chunk (flashhead.md §5)
+CHUNK = 33  # video frames per FlashHead chunk (docs/real-models.md, "The official FlashHead loop")
 AUDIO_WINDOW = 8 * 16000  # samples of the wav2vec2 window re-encoded every chunk
 RESERVE = 1 << 30
 WAN_LIVE = 12  # measured 12.1 (256², 512²; `bench vae --wan`): see wan_activation

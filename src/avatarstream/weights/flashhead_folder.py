@@ -1,6 +1,6 @@
 """SoulX-FlashHead-1.3B as a user downloads it, loaded into a `ModelSet` our engine runs.
 
-The official layout (flashhead.md §4), one folder given as `--model flashhead-pro:DIR`:
+The official layout (docs/real-models.md, "Download"), one folder given as `--model flashhead-pro:DIR`:
 
     DIR/Model_Pro/   config.json, diffusion_pytorch_model.safetensors     (the DiT)
     DIR/Model_Lite/  config.json, diffusion_pytorch_model.safetensors
@@ -38,9 +38,11 @@ from avatarstream.engine.pcm_stream import PCMFrames
 from avatarstream.engine.stages.flashhead import flashhead_reference, flashhead_stages
 from avatarstream.errors import ConfigError, InputError
 from avatarstream.models.flashhead import FlashHeadConfig
+from avatarstream.weights.check_networks import flashhead_problems
 from avatarstream.weights.flashhead import load_flashhead_dit
 from avatarstream.weights.official import read_state
 from avatarstream.weights.spec import ModelSpec
+from avatarstream.weights.validate import confine, flashhead_dit, read_json, sidecar
 from avatarstream.weights.wan import load_wan_vae, wan_vae_config
 from avatarstream.weights.wav2vec2 import load_wav2vec2_folder
 
@@ -66,8 +68,15 @@ class FlashHeadFolder:
         return self.root / VARIANTS[self.variant][1]
 
     def extra(self) -> dict[str, Any]:
-        p = self.root / SIDECAR
-        return json.loads(p.read_text()) if p.is_file() else {}
+        """ROOT/avatarstream.json, checked (validate.sidecar: sizes in range); {} without one."""
+        return sidecar(confine(self.root / SIDECAR, self.root))
+
+    def config(self) -> dict[str, Any]:
+        """The DiT's config.json, checked against the FlashHead schema (validate.flashhead_dit)."""
+        path = confine(self.model_dir / "config.json", self.root)
+        raw = read_json(path)
+        flashhead_dit(raw, str(path))
+        return raw
 
 
 def parse_name(name: str) -> FlashHeadFolder | None:
@@ -104,17 +113,9 @@ def flashhead_pipeline(folder: FlashHeadFolder) -> PipelineConfig:
     extra = folder.extra()
     size = int(extra.get("size", 512))
     stride, spatial = (4, 8) if folder.variant == "pro" else (8, 32)
-    cfg_path = folder.model_dir / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-        channels = int(raw["out_dim"])
-        patch = int(raw.get("patch_size", (1, 2, 2) if folder.variant == "pro" else (1, 1, 1))[-1])
-    except (KeyError, ValueError, TypeError, IndexError) as e:
-        raise InputError(f"{cfg_path}: not a FlashHead DiT config ({e})") from None
-    try:
-        hw = {k: int(extra[k]) for k in ("height", "width") if k in extra}
-    except (ValueError, TypeError) as e:
-        raise InputError(f"{folder.root / SIDECAR}: height and width must be pixel counts ({e})") from None
+    raw = folder.config()
+    channels, patch = raw["out_dim"], raw["patch_size"][-1]
+    hw = {k: extra[k] for k in ("height", "width") if k in extra}
     try:
         return PipelineConfig(lr_size=size, hr_size=size, latent_channels=channels, motion_dim=1,
                               chunk=1 + 32 // stride, ref_frames=1, steps=4, sampler="renoise", shift=5.0,
@@ -126,8 +127,8 @@ def flashhead_pipeline(folder: FlashHeadFolder) -> PipelineConfig:
 
 
 class WholeChunkLTX(nn.Module):
-    """Lite's LTX-Video VAE as the engine calls it: whole-chunk encode (the mode: quirk 5 of
-    flashhead.md §7, the official `.sample()` is not reproduced) and decode (not clamped, as
+    """Lite's LTX-Video VAE as the engine calls it: whole-chunk encode (the mode: docs/real-models.md,
+    FlashHead's differences; the official `.sample()` is not reproduced) and decode (not clamped, as
     the official one), and no conv cache (it cannot stream)."""
 
     def __init__(self, vae: nn.Module) -> None:
@@ -151,12 +152,12 @@ def _load_vae(folder: FlashHeadFolder) -> nn.Module:
                             what=str(folder.vae_dir / WAN_FILE))
     from avatarstream.weights.ltx import load_ltx_vae
 
-    raw = json.loads((folder.vae_dir / "config.json").read_text())
+    raw = read_json(confine(folder.vae_dir / "config.json", folder.root))
     return WholeChunkLTX(load_ltx_vae(read_state(folder.vae_dir / DIT_FILE), raw, what=str(folder.vae_dir)))
 
 
 def _dit_config(folder: FlashHeadFolder, state: dict[str, torch.Tensor], w2v: nn.Module) -> FlashHeadConfig:
-    raw = json.loads((folder.model_dir / "config.json").read_text())
+    raw = folder.config()
     try:
         dim = int(raw["dim"])
         audio = {"blocks": w2v.cfg.num_hidden_layers, "channels": w2v.cfg.hidden_size,
@@ -208,6 +209,10 @@ def load_flashhead(folder: FlashHeadFolder, name: str, *, device: str = "cpu",
     # bf16 where it is fast (a GPU, an AVX512-bf16 CPU): the DiT's weights are cast tensor by tensor
     # while they are assigned (half the memory of the fp32 files) and its forward autocasts
     dt = torch.bfloat16 if (bf16_is_fast(device) if bf16 is None else bf16) else torch.float32
+    problems = flashhead_problems(folder.model_dir, folder.vae_dir, folder.wav2vec, folder.root)
+    if problems:  # the files as `models check` sees them, before a tensor is read
+        raise InputError(problems[0] + (f" (and {len(problems) - 1} more problem(s): `avatarstream models check "
+                                        f"{folder.root}` lists them)" if len(problems) > 1 else ""))
     check_gpu_memory(folder, device, dt == torch.bfloat16)
     w2v = load_wav2vec2_folder(folder.wav2vec)
     state = read_state(folder.model_dir / DIT_FILE)

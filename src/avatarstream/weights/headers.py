@@ -12,24 +12,25 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from avatarstream.errors import InputError
-from avatarstream.weights.official import read_state
+from avatarstream.weights.validate import MAX_JSON, Bad
 
-MAX_HEADER = 100 << 20  # bytes; safetensors refuses larger headers too
+# bytes: a 14 B model's header is a few hundred KB; safetensors itself refuses 100 MB, so a header
+# between the two would pass a check and fail the load
+MAX_HEADER = MAX_JSON
+WEIGHT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # what a network's weights may be stored as
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
             "I16": 2, "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
 TORCH_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
                torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-class Bad(Exception):
-    """One problem with one file that stops its check (the message names the file)."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,18 @@ class Stored:
     shape: tuple[int, ...]
 
 
-def safetensors_header(path: Path, shown: str) -> dict[str, Stored]:
+def _dtypes(out: dict[str, Stored], shown: str) -> dict[str, Stored]:
+    odd = [k for k, s in out.items() if s.dtype not in WEIGHT_DTYPES]
+    if odd:
+        raise Bad(f"{shown}: {len(odd)} tensor(s) stored as {out[odd[0]].dtype} (e.g. {odd[0]!r}); weights are "
+                  f"{'/'.join(sorted(WEIGHT_DTYPES))}: not a weights file of this model")
+    return out
+
+
+def safetensors_header(path: Path, shown: str, *, weights: bool = True) -> dict[str, Stored]:
     """Dtype and shape of every tensor of a safetensors file from its header alone; Bad when the
-    file is shorter or longer than the header says, or the header is not one."""
+    file is shorter or longer than the header says, the header is not one, or (weights) a tensor
+    is not floating point. The loaders read a file only after this passed (official.read_state)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
@@ -54,8 +64,8 @@ def safetensors_header(path: Path, shown: str) -> dict[str, Stored]:
             raise Bad(f"{shown}: a {n:,}-byte header is not a safetensors header: corrupt, download it again")
         try:
             table = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise Bad(f"{shown}: the header is not JSON ({e}): corrupt, download it again") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise Bad(f"{shown}: the header is not JSON ({str(e)[:100]}): corrupt, download it again") from None
     if not isinstance(table, dict):
         raise Bad(f"{shown}: the header is not a table of tensors: corrupt, download it again")
     out: dict[str, Stored] = {}
@@ -64,30 +74,55 @@ def safetensors_header(path: Path, shown: str) -> dict[str, Stored]:
         if key == "__metadata__":
             continue
         try:
-            shape = tuple(int(s) for s in info["shape"])
-            begin, stop = (int(o) for o in info["data_offsets"])
+            shape, offsets = info["shape"], info["data_offsets"]
+            if not all(type(v) is int and 0 <= v < 1 << 48 for v in [*shape, *offsets]) or len(offsets) != 2:
+                raise ValueError("not sizes")
+            begin, stop = offsets
             item = ITEMSIZE[info["dtype"]]
+            shape = tuple(shape)
         except (KeyError, TypeError, ValueError):
             raise Bad(f"{shown}: tensor {key!r} has a malformed header entry: corrupt, download it "
                       "again") from None
-        if stop - begin != math.prod(shape) * item:
+        if stop - begin != math.prod(shape) * item or begin > stop:
             wrong.append(key)
         end = max(end, stop)
         out[key] = Stored(info["dtype"], shape)
+    if not isinstance(table.get("__metadata__", {}), dict):
+        raise Bad(f"{shown}: the header's __metadata__ is not a table: corrupt, download it again")
     if wrong:
         raise Bad(f"{shown}: {len(wrong)} tensor(s) whose byte range does not match their shape and "
                   f"dtype (e.g. {wrong[0]!r}): corrupt, download it again")
     if 8 + n + end != size:
         why = "a partial download (download it again)" if size < 8 + n + end else "extra bytes: corrupt"
         raise Bad(f"{shown}: {size:,} bytes on disk, its header describes {8 + n + end:,}: {why}")
-    return out
+    return _dtypes(out, shown) if weights else out
+
+
+def read_pth(path: Path) -> dict[str, torch.Tensor]:
+    """A `.pth`/`.bin` state dict, memory-mapped, through torch's weights-only unpickler: a file
+    that holds anything but tensors and plain containers (a pickled object, code) is refused with
+    an InputError, never unpickled."""
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:  # torch's text suggests weights_only=False: exactly what not to do
+        raise InputError(f"{path}: holds Python objects besides tensors (a pickle payload); refused, it is "
+                         "never unpickled: use the file from the official release") from None
+    except (RuntimeError, ValueError, OSError, EOFError, KeyError, TypeError, AttributeError) as e:
+        raise InputError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); the file is probably partial or "
+                         "corrupt: download it again") from None
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping):
+        raise InputError(f"{path}: holds a {type(obj).__name__}, not a state dict")
+    return dict(obj)
 
 
 def pth_tensors(path: Path, shown: str) -> dict[str, Stored]:
     """Dtype and shape of every tensor of a `.pth`, memory-mapped (no storage is read); Bad when a
-    tensor's storage is shorter than its shape needs."""
+    tensor's storage is shorter than its shape needs, or a tensor is not floating point."""
     try:
-        state = read_state(path)
+        state = read_pth(path)
     except InputError as e:
         raise Bad(str(e).replace(str(path), shown, 1)) from None
     out: dict[str, Stored] = {}
@@ -99,4 +134,4 @@ def pth_tensors(path: Path, shown: str) -> dict[str, Stored]:
             raise Bad(f"{shown}: {key!r} has less data than its shape {tuple(t.shape)} needs: "
                       "corrupt, download it again")
         out[key] = Stored(TORCH_DTYPE.get(t.dtype, str(t.dtype)), tuple(t.shape))
-    return out
+    return _dtypes(out, shown)

@@ -1,6 +1,6 @@
 """LiveAvatar (Wan2.2-S2V-14B + the LiveAvatar LoRA) as a user downloads it, loaded and merged.
 
-The official layout (liveavatar.md §1), the two Hugging Face repositories side by side:
+The official layout (docs/real-models.md, LiveAvatar's "Download"), the two Hugging Face repositories side by side:
 
     ROOT/Wan2.2-S2V-14B/   Wan-AI/Wan2.2-S2V-14B: config.json, the DiT as 4 safetensors shards +
                            diffusion_pytorch_model.safetensors.index.json, Wan2.1_VAE.pth,
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,108 +34,18 @@ from torch import nn
 
 from avatarstream.errors import ConfigError, InputError
 from avatarstream.models.liveavatar.config import OFFICIAL_DEFAULTS, LiveAvatarConfig
-from avatarstream.weights.adapters import StateDictAdapter
+from avatarstream.weights.check_liveavatar import header_problems, plan_sizes
+from avatarstream.weights.liveavatar_layout import (BASE_DIR, CLASS_NAME, DIT_FILE, INDEX_FILE, LIVEAVATAR,
+                                                    LORA_DIR, LORA_FILE, PREFIX, SHARDS, SIDECAR, T5_FILE,
+                                                    TOKENIZER_DIR, VAE_FILE, W2V_DIR, LiveAvatarFolder, dit_config,
+                                                    is_download, locate, parse_name)
 from avatarstream.weights.lora import LIVEAVATAR_LORA, merge_lora, target_modules
 from avatarstream.weights.official import build_loaded, read_state
 
-BASE_DIR, LORA_DIR, LORA_FILE = "Wan2.2-S2V-14B", "LiveAvatar", "liveavatar.safetensors"
-DIT_FILE = "diffusion_pytorch_model.safetensors"  # sharded: 4 shards and INDEX_FILE
-INDEX_FILE = f"{DIT_FILE}.index.json"
-SHARDS = 4
-VAE_FILE, W2V_DIR = "Wan2.1_VAE.pth", "wav2vec2-large-xlsr-53-english"
-T5_FILE, TOKENIZER_DIR = "models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl"
-SIDECAR, CLASS_NAME, PREFIX = "avatarstream.json", "WanModel_S2V", "liveavatar:"
-LIVEAVATAR = StateDictAdapter("liveavatar")  # identity: our DiT's keys are the official ones
-
-
-@dataclass(frozen=True)
-class LiveAvatarFolder:
-    """Where each file of a LiveAvatar download is (not checked: `check_liveavatar`, `parse_name`)."""
-
-    base: Path  # Wan2.2-S2V-14B/
-    lora: Path  # liveavatar.safetensors
-    wav2vec: Path  # wav2vec2-large-xlsr-53-english/
-
-    @property
-    def root(self) -> Path:
-        return self.base.parent
-
-    @property
-    def index(self) -> Path:
-        return self.base / INDEX_FILE
-
-    @property
-    def vae(self) -> Path:
-        return self.base / VAE_FILE
-
-    def extra(self) -> dict[str, Any]:
-        p = self.root / SIDECAR
-        return json.loads(p.read_text()) if p.is_file() else {}
-
-    def required(self) -> list[Path]:
-        return [self.base / "config.json", self.index, self.vae, self.wav2vec / "config.json", self.lora]
-
-
-def locate(path: str | Path, *, lora: str | Path | None = None, wav2vec: str | Path | None = None) -> LiveAvatarFolder:
-    """The folder of a download from ROOT, ROOT/Wan2.2-S2V-14B or ROOT/LiveAvatar (the files are
-    not checked: a missing one is named by `parse_name`, the check or the loader)."""
-    p = Path(path)
-    if (p / BASE_DIR).is_dir() or (p / LORA_DIR).is_dir():
-        base = p / BASE_DIR
-    elif (p / LORA_FILE).is_file() and not (p / "config.json").is_file():
-        base = p.parent / BASE_DIR  # pointed at LiveAvatar/
-    else:
-        base = p  # pointed at Wan2.2-S2V-14B/ (or a folder of another name holding it)
-    lora_p = Path(lora) if lora else next(
-        (c for c in (base.parent / LORA_DIR / LORA_FILE, base / LORA_FILE) if c.is_file()),
-        base.parent / LORA_DIR / LORA_FILE)
-    w2v = Path(wav2vec) if wav2vec else base / W2V_DIR
-    return LiveAvatarFolder(base, lora_p, w2v)
-
-
-def is_download(path: Path) -> bool:
-    """Whether `path` looks like a LiveAvatar download (ROOT or one of its two folders)."""
-    if (path / BASE_DIR).is_dir() or (path / LORA_DIR / LORA_FILE).is_file() or path.name == LORA_DIR:
-        return True
-    try:
-        return json.loads((path / "config.json").read_text()).get("_class_name") == CLASS_NAME
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def parse_name(name: str) -> LiveAvatarFolder | None:
-    """`liveavatar:DIR[,lora=PATH][,wav2vec=PATH]` -> the folder (its files checked); None: not such a name."""
-    if not name.startswith(PREFIX):
-        return None
-    root, *opts = name[len(PREFIX):].split(",")
-    kw: dict[str, str] = {}
-    for opt in opts:
-        key, eq, value = opt.partition("=")
-        if not eq or key not in ("lora", "wav2vec") or not value:
-            raise ConfigError(f"{name!r}: unknown option {opt!r}; use liveavatar:DIR[,lora=PATH][,wav2vec=PATH]")
-        kw[key] = value
-    folder = locate(root, **kw)
-    missing = [str(p) for p in folder.required() if not p.is_file()]
-    if missing:
-        raise InputError(f"{root}: not a LiveAvatar download ({missing[0]} is missing; expected "
-                         f"{BASE_DIR}/ from Wan-AI/Wan2.2-S2V-14B and {LORA_DIR}/{LORA_FILE} from "
-                         "Quark-Vision/Live-Avatar side by side)")
-    return folder
-
-
-def dit_config(folder: LiveAvatarFolder) -> LiveAvatarConfig:
-    """The DiT's config from its config.json (the official constructor's kwargs)."""
-    path = folder.base / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-        if raw.get("_class_name", CLASS_NAME) != CLASS_NAME:
-            raise ValueError(f"a {raw['_class_name']} config, not {CLASS_NAME}")
-        return LiveAvatarConfig.from_official(raw)
-    except OSError:
-        raise InputError(f"{path}: missing (download {BASE_DIR} again)") from None
-    except (ValueError, TypeError, AttributeError) as e:
-        raise InputError(f"{path}: not a Wan2.2-S2V DiT config ({e})") from None
-
+__all__ = ["BASE_DIR", "CLASS_NAME", "DIT_FILE", "INDEX_FILE", "LIVEAVATAR", "LORA_DIR", "LORA_FILE", "PREFIX",
+           "SHARDS", "SIDECAR", "T5_FILE", "TOKENIZER_DIR", "VAE_FILE", "W2V_DIR", "LiveAvatarFolder",
+           "build_liveavatar_dit", "dit_config", "is_download", "load_liveavatar_dit", "locate", "parse_name",
+           "require_memory", "write_official_folder"]
 
 def require_memory(folder: LiveAvatarFolder, device: str | torch.device, *,
                    free_bytes: Callable[[torch.device], int] | None = None, **plan: Any) -> None:
@@ -147,7 +57,6 @@ def require_memory(folder: LiveAvatarFolder, device: str | torch.device, *,
     dev = torch.device(device)
     if dev.type != "cuda" and free_bytes is None:
         return
-    from avatarstream.weights.check_liveavatar import plan_sizes
     from avatarstream.weights.check_memory import gb
     from avatarstream.weights.plans import rank_parts
 
@@ -186,8 +95,6 @@ def load_liveavatar_dit(folder: LiveAvatarFolder, *, dtype: torch.dtype = torch.
     resident on this GPU). merge_device: where the fp32 merge runs (default `device`). A GPU should
     merge the 448 pairs in about a second (an estimate: ~4 TFLOP and ~200 GB of traffic); this
     2-core CPU took 21 s for 72 full-width pairs, so about 2 minutes for all of them."""
-    from avatarstream.weights.check_liveavatar import header_problems
-
     problems = header_problems(folder, lora=lora)
     if problems:
         raise InputError(problems[0] + (f" (and {len(problems) - 1} more problem(s): `avatarstream models "

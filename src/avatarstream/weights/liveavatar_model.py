@@ -85,7 +85,7 @@ def load_context(folder: LiveAvatarFolder, path: Path | None) -> PromptContext:
 
 
 def liveavatar_pipeline(folder: LiveAvatarFolder) -> PipelineConfig:
-    """The TPP pipeline's settings (liveavatar.md §3, §7) at the folder's size."""
+    """The TPP pipeline's settings (docs/real-models.md, LiveAvatar's "Generate" and "Streaming state") at the folder's size."""
     extra = folder.extra()
     h, w = int(extra.get("height", DEFAULT_HW[0])), int(extra.get("width", DEFAULT_HW[1]))
     return PipelineConfig(lr_size=h, hr_size=h, latent_channels=16, motion_dim=0, chunk=3, ref_frames=1,

@@ -3,7 +3,7 @@
 Why our own merge (~40 lines) and not `peft`: a merged adapter is W += (alpha / rank)·B@A on
 the targeted linear weights, nothing more; PEFT would wrap every module, load with
 `strict=False` (which hides an adapter that matches nothing: LiveAvatar's own loader runs on
-silently then, liveavatar.md §4) and pull in a dependency for one matrix product.
+silently then: docs/real-models.md, "The LoRA") and pull in a dependency for one matrix product.
 
 What a file may hold (PEFT's `save_pretrained` and `get_peft_model_state_dict`, both forms):
 `[base_model.model.]<module>.lora_A[.default].weight` `[rank, in]` and the matching `lora_B`
@@ -106,16 +106,25 @@ def match_lora(stored: Mapping[str, Sequence[int]], targets: Mapping[str, tuple[
         out.problems.append(f"{what}: {len(missing)} of the {len(targets)} targeted modules have no LoRA "
                             f"pair: {_some(missing)} (expected exactly {len(targets)} pairs)")
     r = settings.rank
+    shapes = []  # one line for all of them: a LoRA of another model mismatches every pair
     for module in sorted(set(halves) & set(targets)):
         if len(halves[module]) < 2:
             continue
         (o, i), ka, kb = targets[module], halves[module]["A"], halves[module]["B"]
         for key, want in ((ka, (r, i)), (kb, (o, r))):
             if tuple(stored[key]) != want:
-                out.problems.append(f"{what}: {key!r} has shape {list(stored[key])}, expected {list(want)} "
-                                    f"(rank {r}, {module} is [{o}, {i}])")
+                shapes.append(f"{key!r} is {list(stored[key])}, expected {list(want)} ({module} is [{o}, {i}])")
         out.pairs[module] = (ka, kb)
+    if shapes:
+        more = f" and {len(shapes) - 2} more" if len(shapes) > 2 else ""
+        out.problems.append(f"{what}: {len(shapes)} LoRA tensor(s) of another shape than rank {r} on this network "
+                            f"needs: {'; '.join(shapes[:2])}{more}")
     return out
+
+
+def summary(problems: Sequence[str], n: int = 2) -> str:
+    """The first `n` problems and how many more: one line, however many there are."""
+    return "; ".join(problems[:n]) + (f" (and {len(problems) - n} more problem(s))" if len(problems) > n else "")
 
 
 @torch.no_grad()
@@ -130,7 +139,11 @@ def merge_lora(net: nn.Module, lora: Mapping[str, torch.Tensor], settings: LoRAS
     targets = target_modules({k: tuple(p.shape) for k, p in params.items()}, settings)
     match = match_lora({k: tuple(t.shape) for k, t in lora.items()}, targets, settings, what)
     if match.problems:
-        raise InputError("; ".join(match.problems))
+        raise InputError(summary(match.problems))
+    for k in (k for pair in match.pairs.values() for k in pair):
+        t = lora[k]
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise InputError(f"{what}: {k!r} is not a finite floating-point tensor ({t.dtype}); a broken adapter")
     for module, (ka, kb) in match.pairs.items():
         w = params[f"{module}.weight"]  # [out, in]
         dev = w.device if device is None else torch.device(device)

@@ -17,7 +17,6 @@ before `build_loaded`.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -26,42 +25,41 @@ import torch
 from torch import nn
 
 from avatarstream.errors import InputError
+from avatarstream.weights.headers import read_pth, safetensors_header
+from avatarstream.weights.validate import confine, read_json, shard_names
 
 
 def read_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one checkpoint file (or sharded index), memory-mapped where the format allows."""
+    """Every tensor of one checkpoint file (or sharded index), memory-mapped where the format
+    allows, after the checks `models check` makes (weights/headers.py, weights/validate.py): a
+    safetensors header within its size cap, of floating-point tensors whose byte ranges fill the
+    file exactly; an index naming shards beside it. Any problem: one InputError naming the file."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{p}: missing (download it again, or give the folder it is in)")
     name = p.name
-    try:
-        if name.endswith(".index.json"):
-            index = json.loads(p.read_text())
-            shards = sorted(set(index["weight_map"].values()))
-            out: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                out.update(read_state(p.parent / shard))
-            missing = set(index["weight_map"]) - set(out)
-            if missing:
-                raise InputError(f"{p}: {len(missing)} tensors listed in the index are in no shard "
-                                 f"(e.g. {sorted(missing)[0]!r}); a shard is incomplete")
-            return out
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
+    if name.endswith(".index.json"):
+        weight_map = shard_names(read_json(p, what="shard index"), str(p))
+        out: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            out.update(read_state(confine(p.parent / shard, p.parent)))
+        missing = set(weight_map) - set(out)
+        if missing:
+            raise InputError(f"{p}: {len(missing)} tensors listed in the index are in no shard "
+                             f"(e.g. {sorted(missing)[0]!r}); a shard is incomplete")
+        return out
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load_file
 
+        safetensors_header(p, str(p))  # sizes and dtypes first: never map a file that lies about them
+        try:
             return load_file(str(p), device="cpu")
-        if name.endswith((".pth", ".pt", ".bin", ".ckpt")):
-            obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
-            if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
-                obj = obj["state_dict"]
-            if not isinstance(obj, Mapping):
-                raise InputError(f"{p}: holds a {type(obj).__name__}, not a state dict")
-            return dict(obj)
-    except InputError:
-        raise
-    except (KeyError, ValueError, RuntimeError, OSError, EOFError, json.JSONDecodeError) as e:
-        raise InputError(f"{p}: cannot be read as a checkpoint ({type(e).__name__}: {e}); the file "
-                         "is probably partial or corrupt: download it again") from None
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type is not importable by name
+            raise InputError(f"{p}: cannot be read as a checkpoint ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''}); the file is probably partial "
+                             "or corrupt: download it again") from None
+    if name.endswith((".pth", ".pt", ".bin", ".ckpt")):
+        return read_pth(p)
     raise InputError(f"{p}: unknown checkpoint format (expected .safetensors, .index.json or .pth)")
 
 
@@ -90,8 +88,7 @@ def build_loaded(factory: Callable[[], nn.Module], state: Mapping[str, torch.Ten
         if tuple(got.shape) != tuple(want.shape):
             raise InputError(f"{what}: {k!r} has shape {tuple(got.shape)}, the network expects "
                              f"{tuple(want.shape)} (another variant or size of the model?)")
-    fill = {k: (state[k] if dtype is None or not state[k].is_floating_point() else state[k].to(dtype))
-            for k in expected}
+    fill = {k: _checked(state[k], want, dtype, k, what) for k, want in expected.items()}
     net.load_state_dict(fill, strict=True, assign=True)
     init = getattr(net, "init_buffers_", None)
     if init is not None:
@@ -101,3 +98,19 @@ def build_loaded(factory: Callable[[], nn.Module], state: Mapping[str, torch.Ten
         raise RuntimeError(f"{what}: {left[0]!r} still has no data after loading (a buffer the "
                            "module's init_buffers_() should make)")
     return net.to(device)
+
+
+def _checked(t: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None, key: str, what: str) -> torch.Tensor:
+    """One stored tensor as it is assigned: of a floating type where the network's is (an int64
+    or bool tensor would fail in the forward), cast to `dtype`, every value finite (a NaN or Inf
+    weight renders black frames without an error). One pass over the tensor, as it is read."""
+    if want.is_floating_point() != t.is_floating_point():
+        raise InputError(f"{what}: {key!r} is stored as {t.dtype}, the network's is {want.dtype}: "
+                         "not a weights file of this model")
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise InputError(f"{what}: {key!r} holds {bad:,} NaN or infinite value(s) (of {t.numel():,}): the "
+                         "file is corrupt (or the weights diverged in training); download it again")
+    return t

@@ -6,10 +6,10 @@ plan the GPU cannot hold before it reads a tensor (weights/liveavatar_folder.py)
 Every number is computed from the checked files and the config, none is typed in:
 - **Weights**: the DiT's stored tensors at 2 bytes (bf16) or, in fp8, its blocks' and audio
   injectors' matrices at 1 byte and the rest at 2 (weight-only fp8 after the LoRA merge,
-  liveavatar.md §4). Offloaded: the DiT's blocks live in pinned CPU memory, and the GPU holds
+  as LiveAvatar's own `--fp8`). Offloaded: the DiT's blocks live in pinned CPU memory, and the GPU holds
   what is not in a block plus two offload units (a block and its audio injector), the one
   running and the one being copied in.
-- **KV ring of one denoising step** (liveavatar.md §3): layers × (K, V) × ring tokens × dim ×
+- **KV ring of one denoising step** (docs/real-models.md, "Streaming state"): layers × (K, V) × ring tokens × dim ×
   2 bytes, ring tokens = ring blocks × frames per block × tokens per latent frame; 11.1 GB at
   720×400. Each step has its own ring: a single GPU holds all `steps` of them, a TPP rank one.
 - **Sink**: the same per token, over the reference latent plus the FramePack tokens

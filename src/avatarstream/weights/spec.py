@@ -9,6 +9,8 @@ The pipeline presets live here because both sides of a weights folder need them:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,10 @@ class ModelSpec:
     # load(device, bf16) -> ModelSet, used by the registry's `load_model` instead of `networks()`
     load: Callable[[str, bool | None], ModelSet] | None = None
 
+    def __post_init__(self) -> None:
+        if self.load is None and not isinstance(self.pipeline, _NetworkGeometry):
+            object.__setattr__(self, "pipeline", _NetworkGeometry(self.pipeline, self.dit, self.refiner))
+
     def networks(self) -> dict[str, nn.Module | None]:
         """Fresh networks at the spec's sizes (PyTorch's default init, drawn from the global RNG
         in this order: dit, refiner, vae, audio, text); "refiner" is None for a direct model."""
@@ -53,14 +59,29 @@ class ModelSpec:
         }
 
 
+@dataclass(frozen=True)
+class _NetworkGeometry:
+    """A spec's `pipeline()`, with the patch sizes of its DiT and refiner: what each side of
+    `--size` must be a multiple of is theirs (`PipelineConfig.pixel_multiple`), not a preset's."""
+
+    preset: Callable[[], PipelineConfig]
+    dit: Callable[[], DiTConfig]
+    refiner: Callable[[], RefinerConfig] | None
+
+    def __call__(self) -> PipelineConfig:
+        refiner = 1 if self.refiner is None else math.lcm(*self.refiner().patch[1:])
+        return dataclasses.replace(self.preset(), patch_size=math.lcm(*self.dit().patch[1:]),
+                                   refiner_patch=refiner)
+
+
 def tiny_pipeline() -> PipelineConfig:
     return PipelineConfig(lr_size=32, hr_size=64, latent_channels=4, motion_dim=4, chunk=4,
-                          ref_frames=4, steps=4)
+                          ref_frames=4, steps=4, refiner_patch=2)
 
 
 def small_pipeline() -> PipelineConfig:
     return PipelineConfig(lr_size=128, hr_size=256, latent_channels=16, motion_dim=16, chunk=8,
-                          ref_frames=16, steps=4)
+                          ref_frames=16, steps=4, refiner_patch=2)
 
 
 def pipeline_preset(model: str) -> Callable[[], PipelineConfig]:

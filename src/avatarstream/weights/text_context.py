@@ -2,7 +2,7 @@
 
 LiveAvatar runs without classifier-free guidance, so one prompt's umT5-XXL output is all the DiT ever
 needs from the 5.7 B-parameter text encoder. `avatarstream models encode-text` computes it once and
-writes it here; a session then reads `[L, 4096]` and never loads the encoder (liveavatar.md §7).
+writes it here; a session then reads `[L, 4096]` and never loads the encoder (docs/real-models.md, LiveAvatar's "Generate").
 
 The file is one safetensors tensor `context` `[L, dim]` (L = the prompt's true token count, eos
 included, at most 512; the DiT zero-pads to its text length itself) in the dtype it was computed in,

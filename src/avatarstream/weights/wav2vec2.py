@@ -13,7 +13,6 @@ does not fit is one error naming the key.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from avatarstream.errors import InputError
 from avatarstream.models.wav2vec2 import Wav2Vec2, Wav2Vec2Config
 from avatarstream.weights.adapters import KeyRule, StateDictAdapter
 from avatarstream.weights.official import build_loaded, read_state
+from avatarstream.weights.validate import WAV2VEC2 as WAV2VEC2_SCHEMA, confine, fields, read_json
 
 _PREFIX = r"(?:wav2vec2\.)?"
 _POS_CONV = _PREFIX + r"(encoder\.pos_conv_embed\.conv)\."
@@ -54,13 +54,11 @@ def load_wav2vec2_folder(folder: str | Path, *, dtype: torch.dtype | None = None
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise InputError(f"{d}: no config.json; is this a downloaded wav2vec2 folder?")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{cfg_path}: not JSON ({e}); download it again") from None
+    raw = read_json(confine(cfg_path, d))
+    fields(raw, WAV2VEC2_SCHEMA, str(cfg_path))
     if raw.get("model_type") != "wav2vec2":
         raise InputError(f"{cfg_path}: model_type {raw.get('model_type')!r}, not a wav2vec2 checkpoint")
     weights = next((d / f for f in WEIGHT_FILES if (d / f).is_file()), None)
     if weights is None:
         raise InputError(f"{d}: none of {', '.join(WEIGHT_FILES)}; the download is incomplete")
-    return load_wav2vec2(read_state(weights), raw, dtype=dtype, what=str(weights))
+    return load_wav2vec2(read_state(confine(weights, d)), raw, dtype=dtype, what=str(weights))

@@ -38,8 +38,10 @@ What it writes into `out` (a new folder):
                         person's stretches, reference and target from different scenes (two
                         shots of one background never pair)
     manifest.json       {"version", "config", "inputs": [per input: source, video, frames, width,
-                        height, has_audio, shots [[start, end), ...] or status "rejected" with reason
-                        "unreadable" and detail], "stretches": [per stretch: key, video, shot, window, track,
+                        height, has_audio, shots [[start, end), ...], trimmed [{reason
+                        ("frame_gap" | "too_long"), at_frame, detail}: where the input was cut,
+                        `normalise.Bounds`] or status "rejected" with reason "unreadable" and
+                        detail], "stretches": [per stretch: key, video, shot, window, track,
                         shot_id, scene (None: no frame of the shot read), background (the window's
                         background descriptor, `background.py`), start, end, frames, status
                         ("kept" | "rejected"), reason (the first of reasons: unreadable, no_face,
@@ -60,7 +62,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,6 +70,7 @@ from typing import Any
 
 from avatarstream.data.clip import FPS
 from avatarstream.data.curate.graph import assign_identities, assign_scenes, cross_scene_pairs, mark_duplicates
+from avatarstream.data.curate.normalise import Bounds
 from avatarstream.data.curate.stretch import StretchOptions, windows
 from avatarstream.data.shards import ShardWriter
 from avatarstream.errors import ConfigError, InputError, OutputError
@@ -89,6 +92,7 @@ class CurateConfig:
     scene_threshold: float = 0.75  # background descriptor distance for one scene (graph.py)
     shard_size: int = 64
     stretch: StretchOptions = field(default_factory=StretchOptions)
+    bounds: Bounds = field(default_factory=Bounds)  # what one input may become (normalise.py)
 
 
 def video_name(i: int, path: str) -> str:
@@ -103,11 +107,11 @@ def normalise_rows(row: dict[str, Any], work: str, config: CurateConfig) -> list
 
     try:
         nv = normalise_video(row["source"], row["video"], Path(work), config.max_side, config.cut_threshold,
-                             config.min_shot_frames)
+                             config.min_shot_frames, config.bounds)
     except InputError as e:
         return [{"video": row["video"], "source": row["source"], "error": str(e), "shot": -1, "window": 0}]
     info = {"frames": nv.frames, "width": nv.width, "height": nv.height, "has_audio": nv.has_audio,
-            "shots": [list(s) for s in nv.shots]}
+            "shots": [list(s) for s in nv.shots], "trimmed": nv.trimmed}
     return [{"video": nv.video, "source": nv.source, "error": "", "shot": k, "window": j, "start": a + u,
              "end": a + v, "video_path": nv.video_path, "audio_path": nv.audio_path, "info": json.dumps(info)}
             for k, (a, b) in enumerate(nv.shots) for j, (u, v) in enumerate(windows(b - a, config.stretch.max_frames))]
@@ -164,18 +168,45 @@ def ray_session(workers: int, address: str | None) -> Iterator[None]:
     `workers` CPUs that is shut down afterwards."""
     import ray  # present: `require_extras` ran first
 
-    started = False
-    if not ray.is_initialized():
-        if address:
-            check_reachable(address)
-        try:
+    with _quiet_ray() as level:
+        started = False
+        if not ray.is_initialized():
             if address:
-                ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-            else:
-                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ConfigError(f"cannot start or reach Ray ({address or 'local'}): {e}") from e
-        started = True
+                check_reachable(address)
+            try:
+                if address:
+                    ray.init(address=address, log_to_driver=False, logging_level=level)
+                else:
+                    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=level)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"cannot start or reach Ray ({address or 'local'}): {e}") from e
+            started = True
+        yield from _session(ray, started, workers, address)
+
+
+@contextmanager
+def _quiet_ray() -> Iterator[int]:
+    """Ray's Python lines stay out of the terminal unless avatarstream logs at DEBUG (`-v`): its
+    INFO on every dataset, its token and progress-bar notices (the level returned, for `ray.init`;
+    Ray Data reconfigures its logger on every dataset, so through `RAY_DATA_LOG_LEVEL`). Ray's full
+    logs stay in its session folder; its errors still reach the user as exceptions; a variable the
+    user set is left as it is. Left alone: the core worker's C++ log, whose one error line on every
+    run (Ray Data's actors keep their constructor arguments in the object store, ray#53727) only
+    `RAY_BACKEND_LOG_LEVEL=fatal` hides, which would hide Ray's real errors too and prints a line
+    of its own."""
+    verbose = logging.getLogger("avatarstream").isEnabledFor(logging.DEBUG)
+    quiet = {"RAY_DATA_LOG_LEVEL": "ERROR"}
+    set_here = [] if verbose else [k for k in quiet if k not in os.environ]
+    for k in set_here:
+        os.environ[k] = quiet[k]
+    try:
+        yield logging.INFO if verbose else logging.ERROR
+    finally:
+        for k in set_here:
+            os.environ.pop(k, None)
+
+
+def _session(ray: Any, started: bool, workers: int, address: str | None) -> Iterator[None]:
     cpus = ray.cluster_resources().get("CPU", 0)
     if cpus < 1:
         if started:
@@ -191,34 +222,61 @@ def ray_session(workers: int, address: str | None) -> Iterator[None]:
             ray.shutdown()
 
 
+Progress = Callable[[str], None]  # one line of what curate is doing (the CLI prints it on stderr)
+
+
+def _collect(ds: Any, unit: Callable[[dict[str, Any]], str], total: int, what: str,
+             progress: Progress | None) -> list[dict[str, Any]]:
+    """Every row of a Ray dataset, with a progress line each time a new `unit` (an input, a
+    window) has come back."""
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for row in ds.iter_rows():
+        rows.append(row)
+        u = unit(row)
+        if u not in seen:
+            seen.add(u)
+            if progress is not None:
+                progress(f"{what} {len(seen)}/{total} ({u})")
+    return rows
+
+
 def run_stages(sources: list[str], work: Path, config: CurateConfig, model_dir: str,
-               workers: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+               workers: int, progress: Progress | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The two Ray Data passes: (shot rows, stretch records), both sorted."""
     import ray
 
     items = [{"video": video_name(i, s), "source": s} for i, s in enumerate(sources)]
-    shots = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(
+    if progress is not None:
+        progress(f"reading {len(items)} input(s): 25 fps, shot cuts")
+    shots = _collect(ray.data.from_items(items, override_num_blocks=len(items)).flat_map(
         normalise_rows, fn_kwargs={"work": str(work), "config": config},
-        compute=ray.data.TaskPoolStrategy(size=workers)).take_all()
+        compute=ray.data.TaskPoolStrategy(size=workers)), lambda r: r["video"], len(items), "read input", progress)
     shots.sort(key=lambda r: (r["video"], r["shot"], r["window"]))
     good = [r for r in shots if not r["error"]]
     rows: list[dict[str, Any]] = []
     if good:
-        rows = ray.data.from_items(good, override_num_blocks=len(good)).flat_map(
+        if progress is not None:
+            progress(f"finding faces in {len(good)} window(s) of shots with {workers} worker(s)")
+        rows = _collect(ray.data.from_items(good, override_num_blocks=len(good)).flat_map(
             WindowWorker, fn_constructor_kwargs={"model_dir": model_dir, "work": str(work), "config": config},
-            compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1).take_all()
+            compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1),
+            lambda r: re.sub(r"-t\d+$", "", r["key"]), len(good), "window", progress)
     records = sorted((json.loads(r["record"]) for r in rows), key=lambda r: r["key"])
     return shots, records
 
 
 def curate(videos: list[str | Path], out: str | Path, model_dir: str | Path, config: CurateConfig | None = None,
-           *, workers: int = 1, ray_address: str | None = None) -> dict[str, Any]:
+           *, workers: int = 1, ray_address: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Curate `videos` into a shard folder `out` (index.json, shard-*/, manifest.json, pairs.json);
-    `model_dir`: dlib's model files (`faces.default_model_dir()`). Returns a summary."""
+    `model_dir`: dlib's model files (`faces.default_model_dir()`); `progress` gets a line per
+    stage, input, window and shard. Returns a summary."""
     config = config or CurateConfig()
     require_extras()
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
+    if not (config.bounds.max_seconds > 0 and config.bounds.max_gap_s > 0):
+        raise ConfigError("--max-input-seconds and --max-frame-gap must be positive")
     sources = [str(Path(v)) for v in videos]
     missing = [s for s in sources if not Path(s).is_file()]
     if not sources or missing:
@@ -230,23 +288,29 @@ def curate(videos: list[str | Path], out: str | Path, model_dir: str | Path, con
     work = out / WORK
     work.mkdir(exist_ok=True)
     try:
+        if progress is not None:
+            progress(f"starting Ray ({ray_address or f'local, {workers} worker(s)'})")
         with ray_session(workers, ray_address):
-            shots, records = run_stages(sources, work, config, str(model_dir), workers)
-        summary = finish(out, work, writer, shots, records, config)
+            shots, records = run_stages(sources, work, config, str(model_dir), workers, progress)
+        summary = finish(out, work, writer, shots, records, config, progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return summary
 
 
 def finish(out: Path, work: Path, writer: ShardWriter, shots: list[dict[str, Any]], records: list[dict[str, Any]],
-           config: CurateConfig) -> dict[str, Any]:
+           config: CurateConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Duplicates, identities, scenes, shards, manifest and pairs (module doc)."""
+    if progress is not None:
+        progress(f"grouping {len(records)} stretch(es): duplicates, identities, scenes")
     mark_duplicates(records, config.stretch.thresholds.max_hash_distance)
     assign_identities(records, config.identity_threshold)
     assign_scenes(records, config.scene_threshold)
     kept = [r for r in records if not r["reasons"]]
     for pos, r in enumerate(kept):
         shard = writer.shard_of(pos)
+        if progress is not None and pos % config.shard_size == 0:
+            progress(f"writing {shard} ({min(config.shard_size, len(kept) - pos)} stretch(es))")
         (out / shard).mkdir(exist_ok=True)
         for ext in ("mkv", "wav"):
             os.replace(work / f"{r['key']}.{ext}", out / shard / f"{r['key']}.{ext}")
@@ -266,8 +330,12 @@ def finish(out: Path, work: Path, writer: ShardWriter, shots: list[dict[str, Any
     for r in records:
         if r["reasons"]:
             rejected[r["reasons"][0]] = rejected.get(r["reasons"][0], 0) + 1
+    trimmed: dict[str, int] = {}
+    for s in {s["video"]: s for s in shots if not s["error"]}.values():
+        for t in json.loads(s["info"])["trimmed"]:
+            trimmed[t["reason"]] = trimmed.get(t["reason"], 0) + 1
     return {"out": str(out), "videos": len({s["video"] for s in shots}), "shots": len({(s["video"], s["shot"]) for s in shots if not s["error"]}),
-            "stretches": len(records), "kept": len(kept), "rejected": rejected,
+            "stretches": len(records), "kept": len(kept), "rejected": rejected, "trimmed_inputs": trimmed,
             "identities": len({r["identity"] for r in kept}), "scenes": len({r["scene"] for r in kept}),
             "pairs": len(pairs),
             "kept_seconds": round(sum(r["frames"] for r in kept) / FPS, 2)}

@@ -6,7 +6,7 @@ own decoded frames back as the next chunk's motion latents, so a small cast woul
 long stream. Matching the first two moments per Lab channel to the one picture that never changes
 (the reference) pins global brightness and white balance every chunk; FlashHead's official loop does
 it to every frame of every chunk at strength 1, before the frames are published and before the last
-ones are re-encoded for the hand-off (flashhead.md §5, step 4).
+ones are re-encoded for the hand-off (docs/real-models.md, "The official FlashHead loop", step 4).
 
 The colour space is sRGB (D65) -> linear RGB -> XYZ -> Lab and back, with the CIE constants
 (ε = 0.008856, κ = 903.3); XYZ is clamped to [1e-8, 1] before the cube root and the output RGB to

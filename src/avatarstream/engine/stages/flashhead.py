@@ -1,4 +1,4 @@
-"""FlashHead's chunk work as engine stages (flashhead.md §5; the official loop, stream mode).
+"""FlashHead's chunk work as engine stages (docs/real-models.md, "The official FlashHead loop"; stream mode).
 
     reference (once)  y = VAE encode of the reference image repeated over a chunk's F frames;
                       the scene frame = y's latent 0 (chunk 0's given latent); the picture kept

@@ -1,4 +1,4 @@
-"""LiveAvatar's chunk work as engine stages (liveavatar.md §3, §5, §6; the TPP pipeline's loop).
+"""LiveAvatar's chunk work as engine stages (docs/real-models.md, LiveAvatar's "Generate"; the TPP pipeline's loop).
 
     reference (once)  the reference picture encoded alone: a one-frame latent (the TPP pipeline's
                       choice, quirk 6); the picture repeated over `motion_frames` (73) frames and

@@ -3,7 +3,7 @@
 For a VAE that cannot stream (LTX-Video's decoder is not causal) or a model that was trained on
 whole-chunk decodes (FlashHead Pro decodes each chunk with fresh Wan caches), and whose next chunk
 continues from *pixels*: the continuity schedule's kept latents are not the denoised ones but the
-re-encoding of the last `handoff` decoded, colour-corrected frames (flashhead.md §5, steps 3-5).
+re-encoding of the last `handoff` decoded, colour-corrected frames (docs/real-models.md, "The official FlashHead loop", steps 3-5).
 
     video = decode(x)                              [1, 3, F, H, W], F = 1 + s·(T − 1)
     video = match_colors(video, reference, strength)      (stages/color.py; 0: off)

@@ -9,7 +9,7 @@ Latent frame 0 stands for video frame 0 alone, latent j ≥ 1 for frames 8j-7 ..
 decodes 5 latents into a 33-frame chunk and re-encodes the last 9 frames into its 2 motion latents.
 
 What the network is (FlashHead@12467ce `ltx_video/models/autoencoders/causal_video_autoencoder.py`,
-shared/real-models/flashhead.md §6):
+docs/real-models.md, "What the loaders expect"):
 
 - **Patchify 4×4** into 48 channels, then per stage: resnets, a stride-2 conv in T, H and W (three
   stages), and a widening resnet where the width changes (128 -> 256 -> 512). A mid block of
@@ -23,7 +23,7 @@ shared/real-models/flashhead.md §6):
   chunk is decoded on its own; FlashHead hides the seams with its 9-frame motion overlap.
 - **`encode` returns the mode** (the 128 mean channels), deterministic. The official wrapper's
   `encode` draws `.sample()` from the global RNG; pass `generator=` to sample mean + σ·ε from a
-  generator of your own (flashhead.md §7 quirk 5).
+  generator of your own (FlashHead Lite's choice: docs/real-models.md).
 - **Per-channel latent statistics** (`latents_mean`, `latents_std`, stored with the weights):
   `encode` returns (μ - mean) / std, `decode` first computes z · std + mean (FlashHead's
   `LtxVAE.normalize_latents` / `un_normalize_latents`).

@@ -1,6 +1,6 @@
 """The Wan2.1 video VAE (official `WanVAE_`): the VAE of FlashHead Pro and LiveAvatar.
 
-Our implementation, written from the spec (shared/real-models, shared/golden README §2.2), whose
+Our implementation, written from the spec (docs/real-models.md, docs/parity-fixtures.md), whose
 state dict is the official one key for key (`encoder.*`, `conv1`, `conv2`, `decoder.*`, RMS norm
 `gamma`): `Wan2.1_VAE.pth` loads without renames (194 tensors, 126.9 M parameters).
 

@@ -1,7 +1,7 @@
 """FlashHead's audio context: wav2vec2-base at 25 fps over a bounded trailing window.
 
 What the official code feeds the DiT per chunk (`FlashHeadPipeline.preprocess_audio`,
-`inference.get_audio_embedding`, stream mode of `generate_video.py`; flashhead.md §5):
+`inference.get_audio_embedding`, stream mode of `generate_video.py`; docs/real-models.md, "The official FlashHead loop"):
 
 1. **Encode at the video rate.** The window is normalised as a whole (`normalize_waveform`),
    the CNN features (50 Hz) are resampled linearly (align corners) to `int(N · 25 / 16000)`

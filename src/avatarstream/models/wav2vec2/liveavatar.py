@@ -17,7 +17,7 @@ states (the DiT mixes them with learned weights):
 
 Whole-clip encoding is not streamable (every feature depends on all the audio, through the
 normalisation, the self-attention and the length-dependent resampling). That is LiveAvatar's
-quirk 8 (liveavatar.md §10); a bounded window replaces it in issue 29. This file reproduces the
+quirk (docs/real-models.md, LiveAvatar's "Audio"); a bounded window replaces it in issue 29. This file reproduces the
 official behaviour, which the golden fixture `wav2vec2-a` checks.
 """
 

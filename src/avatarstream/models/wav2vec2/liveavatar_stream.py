@@ -2,7 +2,7 @@
 
 The official path (`liveavatar.py`) encodes the **whole file at once**: the normalisation, the
 self-attention and the 50 → 30 fps resampling all see every sample, so no feature exists before
-the file ends (liveavatar.md §10 quirk 8). `LiveAvatarAudioStream` keeps a trailing window of
+the file ends (docs/real-models.md, LiveAvatar's "Audio"). `LiveAvatarAudioStream` keeps a trailing window of
 `history_seconds` of samples (plus `lookahead_frames` of future audio a block waits for) and, per
 block, encodes that window alone:
 

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import sys
 from typing import Any
 
 from avatarstream.errors import ConfigError
@@ -73,13 +74,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     check_device(args.device)
     reference = _reference(args.avatar, model_spec_for(model).pipeline())  # before the weights
+    _say(f"loading model {model} on {args.device}...")
     models = load_model(model, device=args.device)
     if args.no_watermark:
         models = dataclasses.replace(models, config=dataclasses.replace(models.config, watermark=False))
     host = AvatarHost(models, reference, max_sessions=args.max_sessions,
                       batching=not args.no_batching, seconds_per_chunk=args.seconds_per_chunk,
                       session=LiveSessionConfig(lead_s=args.lead))
+    _say("measuring how many rooms this machine keeps in real time (a minute or so; --max-sessions N "
+         "skips it)..." if args.max_sessions is None else "preparing the face and warming up...")
     host.start()
+    if host.capacity is not None:
+        _say(host.capacity.describe(models.config.fps))
+    _say(f"registering with {args.url} as agent {args.agent_name!r}; Ctrl-C stops")
     settings = WorkerSettings(args.url, args.api_key, args.api_secret, args.agent_name,
                               args.http_port)
     server = make_server(host, settings)
@@ -95,6 +102,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cap = host.capacity
     return {"url": args.url, "agent_name": args.agent_name, "model": model,
             "max_sessions": None if cap is None else cap.max_sessions, "refused": host.refused}
+
+
+def _say(line: str) -> None:
+    """One progress line on stderr (stdout keeps the summary)."""
+    print(f"avatarstream livekit: {line}", file=sys.stderr, flush=True)
 
 
 def _reference(path: str | None, config: Any) -> Any:
