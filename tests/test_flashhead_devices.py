@@ -25,6 +25,7 @@ def folder(tmp_path_factory) -> Path:  # noqa: ANN001
     return write_official_folder(tmp_path_factory.mktemp("fh") / "SoulX-FlashHead-1_3B")
 
 
+@pytest.mark.slow
 def test_bench_realtime_runs_a_flashhead_folder(media, folder: Path) -> None:
     r = run_cli("bench", "realtime", "--model", f"flashhead-pro:{folder}", "--reference", str(media["png"]),
                 "--audio", str(media["wav_3s"]), "--threads", "1", "--json")

@@ -17,7 +17,8 @@ def configure_verify(p: argparse.ArgumentParser, rest: list[str]) -> None:
     p.add_argument("target", metavar="FILE|URL", help="a video file, an http(s) URL of one, or an "
                    "HLS playlist URL (.m3u8: the watermark only, HLS carries no manifest)")
     p.add_argument("--max-download-mb", type=float, default=2048.0,
-                   help="refuse a URL's file larger than this (default 2048)")
+                   help="stop when everything downloaded for a URL (its file, or a playlist and "
+                   "its segments together) passes this many MB (default 2048)")
     p.add_argument("--header", "-H", action="append", default=[], metavar="'NAME: VALUE'",
                    help="send this header with a URL's requests (repeatable), e.g. a server "
                    "render's 'Authorization: Bearer KEY'; sent only to the URL's own scheme, "

@@ -51,10 +51,10 @@ def _cli_parity_runs() -> dict[str, tuple[int, list[str]]]:
 
 def cli_parity(path: Path) -> dict[str, Any]:
     """`avatarstream models parity PATH --json` must exit 0; its JSON line."""
-    from conftest import run_cli
-    r = run_cli("models", "parity", str(path), "--json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    code, lines = _cli_parity_runs()[str(path)]
+    assert code == 0, lines
+    assert len(lines) == 1, lines  # --json: only the JSON line
+    return json.loads(lines[-1])
 
 
 def rewrite_fixture(src: Path, dst: Path, weights: dict[str, torch.Tensor | None] | None = None,

@@ -48,6 +48,7 @@ def test_retired_keys_keep_the_fingerprint_of_runs_made_with_them(name):
             load_recipe(RECIPES / f"{name}.toml", [key])
 
 
+@pytest.mark.slow
 def test_train_script_runs_the_whole_chain(tmp_path):
     """recipes/train.sh at the tiny size: synth -> VAE -> prepare -> A2V -> SFT -> CFG distill ->
     SR -> export, from a copy of the recipes (its data and runs stay in tmp_path)."""

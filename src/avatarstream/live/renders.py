@@ -117,10 +117,12 @@ class RenderJob:
         try:
             self.sink.close()
         except Exception as e:  # noqa: BLE001 - the job reports it, as the scheduler would
-            log.warning("render %s failed while closing its file", self.id, exc_info=True)
-            self.fail(e)
-            return
-        if self.credentials is not None:
+            if not self.cancel_requested:
+                log.warning("render %s failed while closing its file", self.id, exc_info=True)
+                self.fail(e)
+                return
+            log.debug("render %s, deleted while finishing: closing its file: %s", self.id, e)
+        if self.credentials is not None and not self.cancel_requested:  # deleted: nothing to sign
             self.signed = self.credentials.sign_in_place(self.path)
         with self._ending:
             removed = self.cancel_requested  # removed while finishing: the file goes too

@@ -290,6 +290,15 @@ def _sign_stream(identity: SigningIdentity, manifest: dict, mime: str, src: obje
         builder.sign(signer, mime, src, dst)
 
 
+PUBLIC_KEYS = ("signed", "signer", "self_signed", "error")  # what a client may see of a Signed
+
+
+def public_credentials(d: dict | None) -> dict | None:
+    """A stored `Signed.as_dict()` (or an older record's) as a client may see it: only
+    PUBLIC_KEYS, so no path of the server's (the certificate's) ever leaves it."""
+    return None if d is None else {k: d[k] for k in PUBLIC_KEYS if k in d}
+
+
 @dataclass(frozen=True)
 class Signed:
     """What became of one file's signing."""
@@ -307,7 +316,7 @@ class Signed:
     def public_dict(self) -> dict:
         """`as_dict` without the certificate's path: what a server tells its clients (never a
         path on the server)."""
-        return {k: v for k, v in self.as_dict().items() if k != "certificate"}
+        return public_credentials(self.as_dict())
 
     def note(self) -> str:
         """One line for a summary."""

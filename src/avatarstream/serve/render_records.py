@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from avatarstream.provenance.credentials import public_credentials
+
 if TYPE_CHECKING:
     from avatarstream.live.renders import RenderJob
 
@@ -67,10 +69,19 @@ class RenderRecords:
         with self._lock:
             row = self._db.execute("SELECT info FROM renders WHERE id = ? AND owner = ?",
                                    (job_id, owner)).fetchone()
-        return None if row is None else json.loads(row[0])
+        return None if row is None else public(json.loads(row[0]))
 
-    def remove(self, job_id: str) -> None:
-        """Forget the job and delete its file."""
+    def remove(self, job_id: str, *, file: bool = True) -> None:
+        """Forget the job and delete its file (file=False: a job still in memory owns its file
+        and deletes it itself when it stops; live/renders.py `RenderJob.discard`)."""
         with self._lock, self._db:
             self._db.execute("DELETE FROM renders WHERE id = ?", (job_id,))
-        self.path(job_id).unlink(missing_ok=True)
+        if file:
+            self.path(job_id).unlink(missing_ok=True)
+
+
+def public(info: dict) -> dict:
+    """A stored job as a client sees it, filtered when answered (not only when stored): a record
+    written before the filter existed held the signing certificate's path."""
+    cc = info.get("content_credentials")
+    return {**info, "content_credentials": public_credentials(cc) if isinstance(cc, dict) else None}

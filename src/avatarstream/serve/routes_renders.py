@@ -138,8 +138,8 @@ async def get_render_output(request: web.Request, found: Found) -> web.StreamRes
 async def delete_render(request: web.Request, found: Found) -> web.Response:
     job_id, job, _ = found
     if job is not None:
-        request.app[RENDERS].remove(job)  # a running job is cancelled
-    request.app[RECORDS].remove(job_id)
+        request.app[RENDERS].remove(job)  # a running or finishing job is cancelled, its file removed by it
+    request.app[RECORDS].remove(job_id, file=job is None)  # never under a job still writing or signing it
     return web.Response(status=204)
 
 

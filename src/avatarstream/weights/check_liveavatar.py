@@ -36,6 +36,7 @@ from avatarstream.weights.liveavatar_layout import (CLASS_NAME, DIT_FILE, INDEX_
                                                     SIDECAR, T5_FILE, TOKENIZER_DIR, LiveAvatarFolder, is_download,
                                                     locate)
 from avatarstream.weights.lora import LIVEAVATAR_LORA, match_lora, target_modules
+from avatarstream.weights.text_context import FILE as CONTEXT, MAX_TOKENS, read_context
 from avatarstream.weights.validate import confine, liveavatar_dit, read_json, shard_names, sidecar
 from avatarstream.weights.plans import Geometry, Sizes, describe_plans, dit_sizes, fp8_weight, memory_plans, rank_parts
 
@@ -166,7 +167,7 @@ def header_problems(folder: LiveAvatarFolder, *, lora: bool = True) -> list[str]
     """What is missing or wrong in the files the loader reads (the DiT, the LoRA, the VAE, wav2vec2)."""
     nets = networks(folder, lambda p: str(p), lora=lora)
     run(nets)
-    return [p for n in nets for p in n.problems] + models(nets, mem.machine())[1]
+    return [p for n in nets for p in n.problems] + models(nets, mem.machine(), context=False)[1]
 
 
 def _released(build: Any) -> int:
@@ -199,20 +200,36 @@ def sizes_of(nets: list[Network]) -> tuple[Sizes, Geometry, list[str]] | None:
     return s, geo, assumed
 
 
-def models(nets: list[Network], machine: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def models(nets: list[Network], machine: dict[str, Any], *,
+           context: bool = True) -> tuple[dict[str, Any], list[str]]:
     """One `liveavatar` entry per download checked (memory needed, plans, this machine) and the
     problems of each combination (a wav2vec2 that is not the width and depth the DiT's audio
-    encoder mixes)."""
+    encoder mixes; with `context`, the download's own prompt context file)."""
     out: dict[str, Any] = {}
     problems: list[str] = []
     groups = [n.group for n in nets if isinstance(n, LANetwork) and n.family == "liveavatar-dit"]
     for group in groups:
         mine = [n for n in nets if isinstance(n, LANetwork) and n.group == group]
         entry, bad = _model([*mine], machine)
-        problems += bad
+        problems += bad + (context_problems(mine) if context else [])
         if entry:
             out["liveavatar" if len(groups) == 1 else f"liveavatar ({mine[0].name})"] = entry
     return out, problems
+
+
+def context_problems(nets: list[Network]) -> list[str]:
+    """ROOT/context.safetensors, when there (the prompt context the loader reads by default),
+    checked as the loader reads it (text_context.read_context: header, shape, dtype, NaN/Inf)."""
+    dit = next((n for n in nets if n.family == "liveavatar-dit"), None)
+    if dit is None or not ((dit.folder.parent / CONTEXT).is_file() or (dit.folder.parent / CONTEXT).is_symlink()):
+        return []
+    cfg: LiveAvatarConfig | None = dit.config
+    try:
+        read_context(dit.folder.parent / CONTEXT, dim=cfg.text_dim if cfg else None,
+                     max_tokens=cfg.text_len if cfg else MAX_TOKENS, root=dit.folder.parent)
+    except AvatarStreamError as e:
+        return [str(e)]
+    return []
 
 
 def _model(nets: list[Network], machine: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:

@@ -33,7 +33,7 @@ from avatarstream.weights.spec import ModelSpec
 from avatarstream.weights.wan import load_wan_vae, wan_vae_config
 from avatarstream.weights.wav2vec2 import load_wav2vec2_folder
 
-CONTEXT_FILE = "context.safetensors"  # a folder's default prompt context
+CONTEXT_FILE = "context.safetensors"  # a folder's default prompt context (text_context.FILE)
 PARTS = ("dit", "vae", "audio", "text")
 DEFAULT_HW = (400, 720)  # height, width: the official 720*400 (90x50 latents)
 LOOKAHEAD_FRAMES = 12  # audio a block waits for past its end (one block; liveavatar_stream.py)
@@ -74,14 +74,21 @@ def split_name(name: str) -> tuple[str, Path | None, set[str]]:
 
 
 def load_context(folder: LiveAvatarFolder, path: Path | None) -> PromptContext:
-    from avatarstream.weights.text_context import read_context, read_metadata
+    from avatarstream.weights.liveavatar_layout import dit_config
+    from avatarstream.weights.text_context import MAX_TOKENS, read_context, read_metadata
 
     p = path or folder.root / CONTEXT_FILE
     if path is None and not p.is_file():
         raise InputError(f"{folder.root}: no prompt context ({p} is missing). LiveAvatar's DiT reads the "
                          "prompt's umT5 output: make it once with `avatarstream models encode-text --ckpt "
                          f"{folder.base} --prompt \"...\" --out {p}`, or pass liveavatar:DIR,context=FILE")
-    return PromptContext(read_context(p).float(), str(read_metadata(p).get("prompt", "")), p)
+    try:  # the DiT's text width and length, to refuse a context of another encoder before loading it
+        cfg = dit_config(folder)
+        dim, tokens = cfg.text_dim, cfg.text_len
+    except InputError:  # a broken config.json: the DiT's check says so (one line)
+        dim, tokens = None, MAX_TOKENS
+    ctx = read_context(p, dim=dim, max_tokens=tokens, root=folder.root if path is None else None)
+    return PromptContext(ctx.float(), str(read_metadata(p).get("prompt", "")), p)
 
 
 def liveavatar_pipeline(folder: LiveAvatarFolder) -> PipelineConfig:

@@ -26,6 +26,8 @@ from avatarstream.errors import InputError, OutputError
 
 FORMAT = "avatarstream-text-context/1"
 KEY = "context"
+FILE = "context.safetensors"  # a LiveAvatar folder's default prompt context
+MAX_TOKENS = 512  # umT5's text length: a context has at most this many rows
 
 
 def check_out(path: str | Path) -> Path:
@@ -60,21 +62,55 @@ def write_context(path: str | Path, context: torch.Tensor, metadata: Mapping[str
     return p
 
 
-def read_context(path: str | Path, *, dim: int | None = None) -> torch.Tensor:
-    """The context `[L, dim]` of a file written by `encode-text`, as stored; InputError naming the
-    file when it is missing, not such a file, or (given `dim`) for a text encoder of another width."""
+def check_context(path: str | Path, *, dim: int | None = None, max_tokens: int = MAX_TOKENS,
+                  root: Path | None = None) -> tuple[int, int]:
+    """`(L, width)` of a context file from its header alone, through the weights files' checks
+    (weights/headers.py, weights/validate.py: the header's size capped, the file exactly as long
+    as it says, a floating-point dtype; inside `root` when given): one tensor `context`
+    `[L, width]` with 1 <= L <= max_tokens (and width == dim when given). InputError naming the
+    file otherwise (a partial download, another file, a context of another text encoder)."""
+    from avatarstream.weights.headers import WEIGHT_DTYPES, safetensors_header
+    from avatarstream.weights.validate import Bad, confine
+
     p = Path(path)
+    if root is not None:
+        confine(p, root)
+    if not p.is_file():
+        raise InputError(f"{p}: no such text context file (make one with `avatarstream models encode-text`)")
+    try:
+        table = safetensors_header(p, str(p), weights=False)
+    except OSError as e:
+        raise InputError(f"{p}: cannot be read ({e.strerror or e})") from None
+    except Bad as e:  # a partial download, a header too large or not JSON
+        raise InputError(f"{p}: not a readable safetensors file: {str(e).removeprefix(f'{p}: ')}") from None
+    shape = table[KEY].shape if set(table) == {KEY} else None
+    if shape is None or len(shape) != 2 or not 1 <= shape[0] <= max_tokens or shape[1] == 0:
+        got = ", ".join(f"{k!r} {list(v.shape)}" for k, v in list(table.items())[:3]) or "no tensor"
+        raise InputError(f"{p}: not a text context file (holds {got}; expected one {KEY!r} [L, width] with L "
+                         f"in 1..{max_tokens}): make it again with `avatarstream models encode-text`")
+    if table[KEY].dtype not in WEIGHT_DTYPES:
+        raise InputError(f"{p}: the context is stored as {table[KEY].dtype}, not floating point "
+                         f"({'/'.join(sorted(WEIGHT_DTYPES))}): make it again with `avatarstream models encode-text`")
+    if dim is not None and shape[1] != dim:
+        raise InputError(f"{p}: context width {shape[1]}, this model's text encoder gives {dim} "
+                         "(made with another text encoder?)")
+    return shape[0], shape[1]
+
+
+def read_context(path: str | Path, *, dim: int | None = None, max_tokens: int = MAX_TOKENS,
+                 root: Path | None = None) -> torch.Tensor:
+    """The context `[L, dim]` of a file written by `encode-text`, as stored; InputError naming the
+    file when it is missing, not such a file (`check_context`), or holds NaN/Inf."""
+    p = Path(path)
+    check_context(p, dim=dim, max_tokens=max_tokens, root=root)
     meta, tensors = _read(p)
     if meta.get("format") != FORMAT:
         raise InputError(f"{p}: not a text context file (metadata format {meta.get('format')!r}, expected "
                          f"{FORMAT!r}); make one with `avatarstream models encode-text`")
-    ctx = tensors.get(KEY)
-    if ctx is None or ctx.ndim != 2 or ctx.shape[0] == 0:
-        raise InputError(f"{p}: holds no [L, dim] {KEY!r} tensor; make it again with `avatarstream models "
-                         "encode-text`")
-    if dim is not None and ctx.shape[1] != dim:
-        raise InputError(f"{p}: context width {ctx.shape[1]}, this model's text encoder gives {dim} "
-                         "(made with another text encoder?)")
+    ctx = tensors[KEY]
+    if not torch.isfinite(ctx).all():
+        raise InputError(f"{p}: the context holds NaN or infinite values: corrupt, make it again with "
+                         "`avatarstream models encode-text`")
     return ctx
 
 
