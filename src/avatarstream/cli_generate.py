@@ -4,13 +4,14 @@ file (and to HLS / RTMP). The command line of cli.py imports this module only wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from avatarstream.engine.config import SIZE_HELP, parse_size
-from avatarstream.errors import ConfigError
+from avatarstream.errors import AvatarStreamError, ConfigError
 from avatarstream.provenance import NO_WATERMARK_HELP
 
 if TYPE_CHECKING:
@@ -260,31 +261,39 @@ def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path,
                   credentials: ContentCredentials | None) -> int:
     """`generate --strategy causal --workers N`: timestep-forcing pipeline parallelism over
     N + 1 processes started here (parallel/tpp.py); the decode process writes the file."""
-    from avatarstream.parallel.run import launched_by_torchrun
+    from avatarstream.parallel.run import launched_by_torchrun, publishes_here
     from avatarstream.parallel.start import run_tpp
     from avatarstream.parallel.tpp import TPPJob
     from avatarstream.provenance.credentials import credentials_for
     from avatarstream.publish.base import ending
     from avatarstream.publish.file import ReservedOutput
 
-    # the publishing process writes the partial file; this one locks --out and renames it (torchrun: in place)
-    outs = [] if launched_by_torchrun() else [ReservedOutput(out, credentials)]
+    if args.sequence_parallel and args.workers is not None:
+        raise ConfigError("--sequence-parallel and --workers are two parallel plans; give one")
+    # the publishing process writes the partial file; this one (under torchrun: the publishing
+    # rank itself) locks --out, signs the partial and renames it over --out, or keeps it on failure
+    torchrun = launched_by_torchrun()
+    publishing = not torchrun or publishes_here(args.sequence_parallel)
+    outs = [ReservedOutput(out, credentials)] if publishing else []
     job = TPPJob(model=args.model, reference=str(args.reference), audio=str(args.audio),
                  workers=args.workers or 1, split_decode=args.split_decode,
                  out=str(outs[0].writing if outs else out), hls=args.hls, overrides=overrides,
                  prompt=args.prompt, max_audio_seconds=args.max_audio_seconds,
                  threads=args.threads or 1, device=args.device, sequence_parallel=args.sequence_parallel)
-    if args.sequence_parallel and args.workers is not None:
-        raise ConfigError("--sequence-parallel and --workers are two parallel plans; give one")
     with ending(outs):
-        result = run_tpp(job)  # (sequence parallel: parallel/sp_run.py)
+        try:
+            result = run_tpp(job)  # (sequence parallel: parallel/sp_run.py)
+        except BaseException:  # a partial kept is signed too, when the credentials load
+            if torchrun and outs:
+                with contextlib.suppress(AvatarStreamError):
+                    outs[0].credentials = credentials_for(args.model, args.sign_cert, args.sign_key)
+            raise
+        if torchrun and outs:  # every rank has checked the world size: the credentials now
+            outs[0].credentials = credentials_for(args.model, args.sign_cert, args.sign_key)
     if result is None:  # a rank of a torchrun job that does not publish: it prints nothing
         return 0
     result.update(model=args.model, strategy="causal", out=str(out))
-    if outs:
-        signed = outs[0].signed
-    else:  # torchrun: written in place, signed here
-        signed = credentials_for(args.model, args.sign_cert, args.sign_key).sign_in_place(out)
+    signed = outs[0].signed
     result["content_credentials"] = signed.as_dict()
     _print_summary(result)
     print(f"  {signed.note()}")

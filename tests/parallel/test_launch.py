@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import av
 import numpy as np
@@ -29,6 +31,16 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 1
            "-m", "avatarstream.parallel.launch", "generate", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def signed(path) -> bool:  # noqa: ANN001
+    import c2pa
+
+    try:
+        with c2pa.Reader(str(path)) as r:
+            return r.get_validation_state() == "Valid"
+    except c2pa.C2paError:  # no manifest
+        return False
 
 
 def decoded(path) -> np.ndarray:  # noqa: ANN001
@@ -56,8 +68,10 @@ def job(media, tmp_path_factory):  # noqa: ANN001
 ])
 def test_torchrun_tpp_equals_single_process(job, nproc, extra, shares):
     out = job["dir"] / f"tpp{nproc}.mp4"
+    out.write_bytes(b"an older video")  # replaced by the new one, complete
     r = torchrun(nproc, *job["args"], *extra, "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in job["dir"].glob(f"tpp{nproc}*")) == [out.name]  # no partial, no lock
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert s["processes"] == nproc and s["step_shares"] == shares and s["frames"] == 38
     # each rank loaded only what it runs: the DiT on denoise ranks, no refiner there, no DiT after
@@ -87,22 +101,29 @@ def test_world_size_that_does_not_match_the_plan(job):
 def test_rank_that_dies_mid_stream(job):
     """Rank 0 is killed (SIGKILL) when it starts block 3 of 4: the others stop with one line
     each, naming the rank they lost or saying torchrun stopped them (whichever reaches them
-    first); the run is not reported as done (exit status, no summary). What the publishing rank
-    had published stays in a playable file; when it had published nothing yet (a busy machine)
-    there is no file: in both cases nothing else is left beside it, and no file claims the whole
-    video."""
+    first); the run is not reported as done (exit status, no summary). The video already at
+    --out is untouched, byte for byte; what the publishing rank had published stays in a playable
+    partial file beside it, named in its message; when it had published nothing yet (a busy
+    machine) there is no partial: in both cases nothing else is left beside it (no lock, no empty
+    file), and no file claims the whole video."""
     out = job["dir"] / "crash" / "crash.mp4"
     out.parent.mkdir()
+    old = (job["dir"] / "seq.mp4").read_bytes()  # an earlier video at --out
+    out.write_bytes(old)
     r = torchrun(3, *job["args"], "--out", str(out), env={"AVATARSTREAM_TPP_FAULT": "0:3"})
     assert r.returncode != 0
     assert not any(ln.lstrip().startswith("{") for ln in r.stdout.splitlines())  # no summary
     for rank, peer in ((1, 0), (2, 1)):
         assert (f"rank {rank}: lost latents from rank {peer}" in r.stderr
                 or f"rank {rank}: stopped by the launcher" in r.stderr), r.stderr[-3000:]
-    left = sorted(p.name for p in out.parent.iterdir())
-    assert left in ([], ["crash.mp4"]), left  # no temporary, partial or empty file beside it
+    assert out.read_bytes() == old
+    left = sorted(p.name for p in out.parent.iterdir() if p != out)
+    assert len(left) <= 1 and all(n.startswith("crash.partial-") and n.endswith(".mp4") for n in left), left
     if left:  # a playable prefix of the video (at least one fragment), never all of it
-        got = decoded(out)
+        partial = out.parent / left[0]
+        assert f"kept in {partial} (playable); {out} is unchanged" in r.stderr, r.stderr[-3000:]
+        got = decoded(partial)
+        assert signed(partial)  # AI-made: signed like a single process's kept partial
         assert 1 <= got.shape[0] < job["seq"].shape[0] == 38
         assert np.abs(got.astype(int) - job["seq"][: got.shape[0]]).max() <= 1
 
@@ -111,13 +132,20 @@ def test_publishing_rank_killed_keeps_a_playable_file(media, job):
     """The publishing rank itself is killed (SIGKILL: no chance to close its file) when it starts
     block 6 of 7 (3 s of speech): every fragment written before stays playable (at least block
     0's 9 frames: the publisher queue lags by a bounded number of chunks), equal to the
-    single-process frames."""
-    out = job["dir"] / "killed.mp4"
+    single-process frames. They are in the partial file: the video already at --out is
+    untouched, byte for byte (the killed rank leaves its lock file; the next run takes it over)."""
+    out = job["dir"] / "killed" / "killed.mp4"
+    out.parent.mkdir()
+    old = (job["dir"] / "seq.mp4").read_bytes()  # an earlier video at --out
+    out.write_bytes(old)
     args = [a if a != job["args"][job["args"].index("--audio") + 1] else str(media["wav_3s"])
             for a in job["args"]]
     r = torchrun(3, *args, "--out", str(out), env={"AVATARSTREAM_TPP_FAULT": "2:6"})
     assert r.returncode != 0
-    got = decoded(out)
+    assert out.read_bytes() == old
+    partials = list(out.parent.glob("killed.partial-*.mp4"))
+    assert len(partials) == 1, sorted(p.name for p in out.parent.iterdir())
+    got = decoded(partials[0])
     seq = decoded(job["dir"] / "seq3.mp4") if (job["dir"] / "seq3.mp4").exists() else None
     if seq is None:
         done = run_cli("generate", *args, "--out", str(job["dir"] / "seq3.mp4"))
@@ -125,3 +153,59 @@ def test_publishing_rank_killed_keeps_a_playable_file(media, job):
         seq = decoded(job["dir"] / "seq3.mp4")
     assert 9 <= got.shape[0] < seq.shape[0] == 75, got.shape
     assert np.abs(got.astype(int) - seq[: got.shape[0]]).max() <= 1
+
+
+def test_signing_in_a_torchrun_rank_holds_sigterm():
+    """The publishing rank of a torchrun job signs and renames its file inside `interrupt.held()`
+    (`ReservedOutput.close`), as a single process does. A rank keeps SIGTERM's default action
+    (`install()` leaves it: the launcher must stop it inside a collective), so held() takes it for
+    the block: SIGINT and SIGTERM there are recorded, and SIGTERM has its default again after.
+    (Before, the SIGTERM ended the rank in the middle of signing.)"""
+    code = """if True:
+        import os, signal
+        from avatarstream.publish import interrupt
+        interrupt.install()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        with interrupt.held() as got:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0.05)
+        print(interrupt.names(got), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    """
+    env = {**os.environ, "RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["SIGTERM", "and", "SIGINT", "True"]
+
+
+def test_sigterm_while_the_publishing_rank_signs(job):
+    """SIGTERM sent to the publishing rank while it signs the finished video (a pause inside the
+    signing step, `PAUSE_FOR_TESTS`, as in tests/publish/test_signals.py): the signing and the
+    rename finish, the run succeeds and says so, --out is the new video, signed, and nothing is
+    left beside it. (Before, the SIGTERM killed the rank in the middle of signing.)"""
+    from avatarstream.provenance.credentials import PAUSE_FOR_TESTS
+
+    d = job["dir"] / "signal"
+    d.mkdir()
+    out = d / "talk.mp4"
+    out.write_bytes(b"an older video")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "avatarstream.parallel.launch", "generate", *job["args"], "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", PAUSE_FOR_TESTS: "2.0"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (copies := sorted(d.glob("talk.*signing-*.mp4"))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        os.kill(int(copies[0].name[: -len(".mp4")].rpartition(".signing-")[2]), signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert (f"SIGTERM came while the video was being signed: that was finished first; {out} is "
+            "complete and signed") in stderr, stderr[-3000:]
+    assert f"wrote {out}" in stdout
+    assert sorted(p.name for p in d.iterdir()) == ["talk.mp4"]  # no partial, signing copy or lock
+    assert signed(out) and decoded(out).shape[0] == 38

@@ -57,6 +57,7 @@ def job(media, tmp_path_factory):  # noqa: ANN001
             "seq": np.stack(sink.frames)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, shares", [(1, [[0, 1, 2, 3]]), (2, [[0, 1], [2, 3]]),
                                              (4, [[0], [1], [2], [3]])])
 def test_cli_tpp_equals_single_process(job, workers, shares):
@@ -70,6 +71,7 @@ def test_cli_tpp_equals_single_process(job, workers, shares):
     assert got.shape == job["seq"].shape and np.abs(got.astype(int) - job["seq"]).max() <= 1
 
 
+@pytest.mark.slow
 def test_torchrun_tpp_equals_single_process(job):
     """3 processes started by torchrun (env://): 2 denoise ranks and the decode rank; the MP4
     decodes to the single-process MP4 (two H.264 encodes of equal frames)."""

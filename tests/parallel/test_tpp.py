@@ -8,6 +8,9 @@ frames are expected to be identical; measured: identical).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import av
 import numpy as np
@@ -88,17 +91,36 @@ def test_cli_generate_workers_equals_single_process(media, tmp_path):
     """`generate --strategy causal --workers 2`, launched by the CLI itself, writes the same
     video as `generate --strategy causal` (decoded frames of two H.264 encodes of equal input),
     here with `--history-level next` (each worker's extra forward for its cache stays local);
-    the test above covers "same"."""
+    the test above covers "same". The file already at --out is replaced, and nothing is left
+    beside it. Then the decode process is killed (SIGKILL) at block 6 of 7: that run fails, the
+    new video at --out is untouched, and the frames it had published are kept in the partial file
+    its message names."""
     args = ["--model", "tiny-random", "--reference", str(media["png"]), "--audio", str(media["wav_3s"]),
             "--strategy", "causal", "--history-level", "next", "--threads", "1", "--no-progress", "--json"]
+    out = tmp_path / "tpp.mp4"
+    out.write_bytes(b"an older video")
     r1 = run_cli("generate", *args, "--out", str(tmp_path / "seq.mp4"))
-    r2 = run_cli("generate", *args, "--out", str(tmp_path / "tpp.mp4"), "--workers", "2")
+    r2 = run_cli("generate", *args, "--out", str(out), "--workers", "2")
     assert r1.returncode == 0, r1.stderr
     assert r2.returncode == 0, r2.stderr
+    assert sorted(p.name for p in tmp_path.glob("tpp*")) == ["tpp.mp4"]  # no partial, no lock
     s = json.loads(r2.stdout.strip().splitlines()[-1])
     assert s["workers"] == 2 and s["step_shares"] == [[0, 1], [2, 3]] and s["frames"] == 75
-    a, b = decoded(tmp_path / "seq.mp4"), decoded(tmp_path / "tpp.mp4")
+    a, b = decoded(tmp_path / "seq.mp4"), decoded(out)
     assert a.shape == b.shape and np.abs(a.astype(int) - b).max() <= 1
+
+    done = out.read_bytes()
+    r3 = subprocess.run([sys.executable, "-m", "avatarstream.cli", "generate", *args, "--out", str(out),
+                         "--workers", "2"], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "AVATARSTREAM_TPP_FAULT": "2:6"})
+    assert r3.returncode != 0 and not r3.stdout.strip().startswith("{")
+    assert out.read_bytes() == done
+    partials = list(tmp_path.glob("tpp.partial-*.mp4"))
+    assert len(partials) == 1, sorted(p.name for p in tmp_path.iterdir())
+    assert f"kept in {partials[0]} (playable); {out} is unchanged" in r3.stderr, r3.stderr[-3000:]
+    got = decoded(partials[0])
+    assert 9 <= got.shape[0] < a.shape[0] and np.abs(got.astype(int) - a[: got.shape[0]]).max() <= 1
+    assert not (tmp_path / "tpp.mp4.lock").exists()  # the launching process held it and let it go
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -19,8 +19,11 @@ line naming it (`link.RankFailure`, waited with a deadline); a rank stopped by i
 (torchrun and `spawn` both send SIGTERM to the survivors of a failed rank) raises the same error
 from its signal handler. Either way the publishing rank closes its sinks on the way out: the MP4
 keeps every frame published before the failure (and stays playable even after kill -9:
-`publish/file.py`). `AVATARSTREAM_TPP_FAULT=RANK:BLOCK` kills rank RANK (SIGKILL) when it starts
-block BLOCK: fault injection for the tests.
+`publish/file.py`). That MP4 is the partial file of `--out` (`publish/output.py`): locked, and
+renamed over `--out` when the run succeeds, by the process that started the ranks (`spawn`) or,
+under torchrun, by the publishing rank itself (`cli_generate.py`); a failed run keeps it and
+names it. `AVATARSTREAM_TPP_FAULT=RANK:BLOCK` kills rank RANK (SIGKILL) when it starts block
+BLOCK: fault injection for the tests.
 """
 
 from __future__ import annotations
@@ -251,6 +254,13 @@ def launched_by_torchrun() -> bool:
     """This process is one rank of a torchrun (or any `env://`) job."""
     env = os.environ
     return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def publishes_here(sequence_parallel: bool) -> bool:
+    """This torchrun process is the rank that writes the outputs: the last of a pipeline, rank 0
+    of a sequence-parallel job (`parallel/sp_run.py`)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank == 0 if sequence_parallel else rank == world - 1
 
 
 def run_this_rank(job: TPPJob) -> dict[str, Any] | None:

@@ -116,15 +116,20 @@ def muxing() -> Iterator[None]:
 @contextlib.contextmanager
 def held() -> Iterator[list[int]]:
     """Around a step that must finish (signing, renaming): SIGINT and SIGTERM are recorded in the
-    list yielded, never raised (with `install()`'s handler; in the main thread)."""
+    list yielded, never raised (in the main thread). Where one has its default action (SIGTERM in
+    a torchrun rank, which `install()` leaves alone) the recording handler takes it for the block."""
     got: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield got
         return
     _holding.append(got)
+    taken = {s: signal.signal(s, _handler) for s in (signal.SIGINT, signal.SIGTERM)
+             if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler)}
     try:
         yield got
     finally:
+        for s, previous in taken.items():
+            signal.signal(s, previous)
         _holding.remove(got)
 
 
