@@ -16,11 +16,9 @@ import shutil
 import subprocess
 import sys
 import time
-import wave
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -38,15 +36,6 @@ REFERENCE = Path(__file__).resolve().parents[2] / "examples" / "reference.png"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_official_folder(tmp_path_factory.mktemp("tiny") / "fh", "pro")
-
-
-@pytest.fixture(scope="module")
-def speech(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("audio") / "a.wav"
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
-        w.writeframes((np.random.default_rng(0).standard_normal(8000) * 3000).astype("<i2").tobytes())
-    return path
 
 
 def _config(d: Path, **kw: object) -> None:

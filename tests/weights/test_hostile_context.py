@@ -9,11 +9,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import wave
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,15 +31,6 @@ def tiny_la(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from avatarstream.weights.liveavatar_folder import write_official_folder
 
     return write_official_folder(tmp_path_factory.mktemp("tiny") / "la", prompt="a person talking")
-
-
-@pytest.fixture(scope="module")
-def speech(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("audio") / "a.wav"
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
-        w.writeframes((np.random.default_rng(0).standard_normal(8000) * 3000).astype("<i2").tobytes())
-    return path
 
 
 def _context(d: Path, context: torch.Tensor) -> None:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-import wave
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -28,15 +26,6 @@ SETTINGS = LoRASettings(rank=2, alpha=2.0, targets=("q", "k", "v", "o"))
 def shapes() -> dict[str, tuple[int, int]]:
     net = load_model("tiny-random", bf16=False).dit.model
     return target_modules({k: tuple(p.shape) for k, p in net.named_parameters()}, SETTINGS)
-
-
-@pytest.fixture(scope="module")
-def speech(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("audio") / "a.wav"
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
-        w.writeframes((np.random.default_rng(0).standard_normal(8000) * 3000).astype("<i2").tobytes())
-    return path
 
 
 def tensors(shapes: dict[str, tuple[int, int]], widen: int = 1) -> dict[str, torch.Tensor]:
