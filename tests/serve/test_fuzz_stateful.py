@@ -344,9 +344,21 @@ async def _converse(url: str, pcm: bytes, control: str) -> None:
                     break
 
 
+def _wait_until_no_session_is_live(server: InProcessServer, timeout_s: float = 45.0) -> None:
+    """A run starts with the server's capacity free. A session deleted at some moments still
+    counts as live until its idle timeout (30 s; seen after the long run, not yet explained):
+    without this wait the next run met a full server (503) on every create."""
+    until = time.monotonic() + timeout_s
+    while (live := plain(AUTH, "GET", server.url + "/v1/server").json()["live_sessions"]) \
+            and time.monotonic() < until:
+        time.sleep(0.5)
+    assert not live, f"{live} sessions still live {timeout_s:.0f} s after the last run"
+
+
 def _run(server: InProcessServer, budget_s: float, examples: int = EXAMPLES) -> Run:
     """Run the machine against `server` for at most `budget_s`; returns what it saw."""
     global RUN
+    _wait_until_no_session_is_live(server)
     RUN = Run(server, time.monotonic() + budget_s)
     try:
         run_state_machine_as_test(ServerMachine, settings=settings(
