@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str | None, str]] = {
     "train": ("avatarstream.train.cli", None, "train a recipe, pre-encode training data, export weights"),
     "eval": ("avatarstream.eval.cli", None, "score a video (Sync-C/D, FaceSim, style, silence, seams, "
              "PSNR) or benchmark a model on held-out synthetic cases"),
+    "annotate": ("avatarstream.annotate.cli", None, "people judge pairs of renders on a local web page; "
+                 "export their (or the reward's) preferences for Diffusion-DPO"),
     "serve": ("avatarstream.serve.cli", None, "live avatar sessions server: WebRTC, WebSocket speech, "
               "TTS, HLS, renders, web page"),
     "client": ("avatarstream.serve.client", None, "open a live session as the web page does (WebRTC), "

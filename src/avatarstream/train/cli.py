@@ -9,6 +9,9 @@
     avatarstream train export RUN_DIR [RUN_DIR ...] --out weights/NAME/ [--steps K]
     avatarstream train personality --base MODEL --footage DIR [--out FILE] [--steps N] [--rank R]
                                    [--resume] (a LoRA for one person: train/personality.py)
+    avatarstream train grpo RECIPE [options of RECIPE]   (feedback alignment: rewards on rollouts)
+    avatarstream train dpo RECIPE [options of RECIPE]    (preference pairs: annotate export / auto)
+    avatarstream train pairs --out PAIRS [--model M] [--conditions N] (renders for annotate / dpo)
 
 Each returns a JSON-serialisable summary (the top-level CLI prints it).
 """
@@ -32,8 +35,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", metavar="RECIPE|prepare|export|personality",
-                   help="a recipe (.toml path or name under recipes/), or `prepare` / `export` / `personality`")
+    p.add_argument("recipe", metavar="RECIPE|grpo|dpo|pairs|prepare|export|personality",
+                   help="a recipe (.toml path or name under recipes/), `grpo RECIPE` / `dpo RECIPE`, or "
+                        "`pairs` / `prepare` / `export` / `personality`")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that form (see above)")
 
 
@@ -109,11 +113,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ns = _parse(_export_parser(), args.rest)
         return export(ns.runs, ns.out, prepared=ns.prepared, dtype=ns.dtype, steps=ns.steps,
                       share_with=ns.share_with)
+    if args.recipe == "pairs":
+        from avatarstream.train import pairs
+
+        return pairs.run(_parse(pairs.parser(_Parser), args.rest))
+    stage = None
+    if args.recipe in ("grpo", "dpo"):  # `train grpo RECIPE`: the recipe must be of that stage
+        if not args.rest or args.rest[0].startswith("-"):
+            raise ConfigError(f"avatarstream train {args.recipe}: name a recipe (e.g. {args.recipe}-small)")
+        stage, args.recipe, args.rest = args.recipe, args.rest[0], args.rest[1:]
     ns = _parse(_run_parser(), args.rest)
     from avatarstream.train.recipe import load_recipe
     from avatarstream.train.trainer import Trainer
 
     recipe = load_recipe(args.recipe, ns.set)
+    if stage is not None and recipe["stage"] != stage:
+        raise ConfigError(f"avatarstream train {stage}: {args.recipe} is a {recipe['stage']!r} recipe")
     if ns.max_steps is not None and ns.max_steps < 1:
         raise ConfigError("--max-steps must be at least 1")
     if ns.nproc:  # checked here first: a bad recipe is one message, not one a rank

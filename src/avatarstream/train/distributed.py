@@ -212,6 +212,11 @@ class TaskModule(nn.Module):
 def resolve_shard(shard: str, task: Any) -> str:
     if shard not in SHARDS:
         raise ConfigError(f"--shard must be one of {', '.join(SHARDS)}, got {shard!r}")
+    only = getattr(task, "shards", None)  # a task that runs under some wrappers only (alignment: ddp)
+    if only is not None:
+        if shard != "auto" and shard not in only:
+            raise ConfigError(f"--shard {shard}: the {task.stage} stage runs under {' or '.join(only)} only")
+        return only[0] if shard == "auto" else shard
     if shard != "auto":
         return shard
     has_blocks = any(isinstance(m, DiTBlock) for n in task.trainable for m in task.nets[n].modules())

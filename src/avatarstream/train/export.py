@@ -81,6 +81,14 @@ def export(run_dirs: list[str | Path], out: str | Path, *, seed: int = 0, prepar
     if dtype not in ("bf16", "fp32"):
         raise InputError(f"--dtype must be bf16 or fp32, got {dtype!r}")
 
+    stages = {json.loads((Path(rd) / "recipe.json").read_text()).get("stage")
+              for rd in run_dirs if (Path(rd) / "recipe.json").is_file()}
+    if stages & {"grpo", "dpo"}:  # an aligned model: the base with the run's DiT (align_export.py)
+        if len(run_dirs) != 1:
+            raise InputError("export a grpo/dpo run on its own: its model is the base it aligned")
+        from avatarstream.train.align_export import export_aligned
+
+        return export_aligned(run_dirs[0], out, dtype=None if dtype == "bf16" else dtype)
     runs = []
     for rd in run_dirs:
         rd = Path(rd)

@@ -6,8 +6,9 @@ registry's network sizes and geometry) and sections whose every key has a defaul
 path or a name looked up in the `recipes/` folder (of the current directory, then of the source
 checkout). `--set section.key=value` overrides (value parsed as TOML, else a string).
 
-Stages: `vae`, `a2v` (pre-training and personality SFT), `sr`, `cfg-distill`, and the causal
-student's `df` (diffusion forcing) and `dmd` (Self-Forcing DMD).
+Stages: `vae`, `a2v` (pre-training and personality SFT), `sr`, `cfg-distill`, the causal
+student's `df` (diffusion forcing) and `dmd` (Self-Forcing DMD), and feedback alignment of a
+registry model's DiT: `grpo` (rewards on its own rollouts) and `dpo` (preference pairs).
 Sections: `[train]` (steps, batch, seed, optimiser, EMA, precision, checkpoints), `[data]`
 (`shards` for vae, `prepared` for a2v/sr; relative paths are relative to the working
 directory, so run from the repository root),
@@ -27,7 +28,7 @@ from typing import Any
 
 from avatarstream.errors import ConfigError
 
-STAGES = ("vae", "a2v", "sr", "cfg-distill", "df", "dmd")
+STAGES = ("vae", "a2v", "sr", "cfg-distill", "df", "dmd", "grpo", "dpo")
 MODELS = ("tiny", "small")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -95,6 +96,23 @@ DEFAULTS["dmd"] = {**_CAUSAL, "steps": 4, "shift": 1.0, "sigma_min": 0.02, "sigm
                    # the fake score's starting weights (a dmd run or weights folder: continue a
                    # distillation with its fake score; "": the teacher's)
                    "fake_init": ""}
+
+# Feedback alignment (train/objectives/grpo.py, dpo.py) of a registry model's DiT (`model`: a
+# name or weights folder); the KL anchor is that DiT, frozen.
+_ALIGN = {"model": "avatarstream-small", "kl": 0.05, "bf16_rollouts": "auto"}
+DEFAULTS["grpo"] = {**_ALIGN,
+                    # "flow-grpo": per-step Gaussian log-probabilities of the stochastic sampler,
+                    # clipped ratio; "nft": DiffusionNFT, reward-weighted flow matching on the
+                    # rollouts' clean samples (likelihood-free; rollouts with the model's sampler)
+                    "method": "flow-grpo", "group": 4, "overshoot": 0.5, "clip": 0.2,
+                    "adv_clip": 3.0, "nft_beta": 1.0, "logit_mean": 0.0, "logit_std": 1.0,
+                    # the conditions: synthetic train-split clips (identity, reference clip in
+                    # another scene, speech, the renderer's mouth track), drawn by `condition_seed`
+                    "conditions": 16, "seconds": 2.0, "condition_seed": 7,
+                    # reward weights (train/rewards.py TERMS); -1: the module's default
+                    "w_sync": -1.0, "w_mouth_track": -1.0, "w_identity": -1.0, "w_cadence": -1.0,
+                    "w_head_motion": -1.0, "w_mouth_hf": -1.0, "w_silence": -1.0}
+DEFAULTS["dpo"] = {**_ALIGN, "prefs": "", "beta": 200.0, "logit_mean": 0.0, "logit_std": 1.0}
 
 # Keys that recipes had and no longer have, with the value every run that resumes had (their
 # defaults): the fingerprint of a checkpoint made before they went includes them, so `fingerprint`

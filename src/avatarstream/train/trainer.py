@@ -320,7 +320,8 @@ class Trainer:
                 log_f.flush()
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{logs['loss']:.4f}", s_per_step=f"{dt:.2f}")
+                    shown = {k: f"{logs[k]:.4f}" for k in getattr(self.task, "progress_keys", ()) if k in logs}
+                    bar.set_postfix(loss=f"{logs['loss']:.4f}", **shown, s_per_step=f"{dt:.2f}")
                 due = (self.step % self.tr["checkpoint_every"] == 0
                        or distributed.agree(time.monotonic() - last_ckpt >= 60 * self.tr["checkpoint_minutes"])
                        or self.step == stop)

@@ -57,7 +57,9 @@ class AudioToVideoStage(Stage):
     def batch_key(self, rec: ChunkRecord, state: SessionState) -> Hashable | None:
         return ("length", rec.plan.length)
 
-    def run(self, items: Sequence[Item]) -> None:
+    def denoiser(self, items: Sequence[Item]) -> GuidedDenoiser:
+        """The guided denoiser of a batch of chunks: initial noise with the given frames' clean
+        latents and motion in place, their audio tokens, text, references and scene anchors."""
         xs, ms = [], []
         for rec, state in items:
             x, m = rec.sigma_noise.clone(), rec.motion_noise.clone()  # [1, C, T, h, w], [1, T, Dm]
@@ -69,7 +71,7 @@ class AudioToVideoStage(Stage):
         states = [state for _, state in items]
         anchors = [scene_anchor(s) for s in states]
         text, text_mask = batch_text(states)
-        den = GuidedDenoiser(
+        return GuidedDenoiser(
             partial(self.dit.call, "forward"), torch.cat(xs, 0), torch.cat(ms, 0),
             torch.cat([rec.given for rec, _ in items], 0),  # [B, T] bool
             audio=torch.cat([rec.audio for rec, _ in items], 0),  # [B, T, A, Da]
@@ -77,12 +79,18 @@ class AudioToVideoStage(Stage):
             reference=ReferenceCache.stack([s.dit_reference for s in states]),
             anchor=None if any(a is None for a in anchors) else torch.cat(anchors, 0),  # [B, C, h, w]
             guidance=self.guidance)
+
+    def sample(self, den: GuidedDenoiser, items: Sequence[Item]) -> torch.Tensor:
+        """The sampler's run from `den.initial()`: the final flat state of the batch. (Training's
+        rollouts override this to record every step: train/rollout.py.)"""
         if self.sampler == "euler":
-            out = sample_euler(den, den.initial(), self.sigmas)
-        else:
-            gens = [torch.Generator().manual_seed(self.seed * 7919 + rec.plan.id) for rec, _ in items]
-            out = sample_stochastic_euler(den, den.initial(), self.sigmas, overshoot=self.overshoot,
-                                          generator=gens)
-        xo, mo = den.clamp(out)
+            return sample_euler(den, den.initial(), self.sigmas)
+        gens = [torch.Generator().manual_seed(self.seed * 7919 + rec.plan.id) for rec, _ in items]
+        return sample_stochastic_euler(den, den.initial(), self.sigmas, overshoot=self.overshoot,
+                                       generator=gens)
+
+    def run(self, items: Sequence[Item]) -> None:
+        den = self.denoiser(items)
+        xo, mo = den.clamp(self.sample(den, items))
         for i, (rec, _) in enumerate(items):
             rec.lr_latents, rec.motion = xo[i : i + 1], mo[i : i + 1]
