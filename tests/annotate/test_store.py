@@ -134,7 +134,8 @@ def test_export_writes_the_latest_decisive_judgements(pairs, tmp_path):
     assert lines[0] == {"pair": "p0000", "condition": "c0000", "chosen": "renders/r0000.pt",
                         "rejected": "renders/r0001.pt", "chosen_video": "renders/r0000.mp4",
                         "rejected_video": "renders/r0001.mp4", "annotator": "ann",
-                        "time": "2026-01-01T00:01:00Z", "source": "human"}
+                        "time": "2026-01-01T00:01:00Z", "source": "human",
+                        "pairs": "PAIRS"}  # the pairs folder, relative to the file's folder
     assert summary["exported"] == 3 and summary["unknown_pairs"] == 1
     assert summary["choices"] == {"left": 1, "right": 2, "tie": 1, "skip": 1}
     assert summary["annotators"] == {"ann": {"judged": 4, "exported": 2}, "bob": {"judged": 1, "exported": 1}}

@@ -232,4 +232,11 @@ def test_train_pairs_writes_a_resumable_pairs_folder(tmp_path):
         assert len(load_rollout(out / line[f"{side}_record"])[0]) >= 2
     (out / "pairs.jsonl").unlink()
     assert main(args) == 0 and (out / "pairs.jsonl").is_file()  # the renders are kept, not redone
+    # people or the reward decide, DPO trains on the decision (the file written outside the folder)
+    prefs = tmp_path / "elsewhere" / "prefs.jsonl"
+    prefs.parent.mkdir()
+    assert main(["annotate", "auto", str(out), "--out", str(prefs), "--margin", "0"]) == 0
+    assert main(["train", "dpo", "recipes/dpo-tiny.toml", "--run-dir", str(tmp_path / "dpo"), "--no-progress",
+                 "--set", f"dpo.prefs=\"{prefs}\"", "--set", "train.steps=1"]) == 0
+    assert json.loads((tmp_path / "dpo" / "log.jsonl").read_text())["accuracy"] in (0.0, 1.0)
     shutil.rmtree(out)

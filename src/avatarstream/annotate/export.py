@@ -33,6 +33,13 @@ def preference(pair: Pair, winner: str, annotator: str, time: str, source: str) 
             "annotator": annotator, "time": time, "source": source}
 
 
+def with_folder(lines: list[dict[str, Any]], folder: PairsFolder, out: str | Path) -> list[dict[str, Any]]:
+    """Each line with "pairs": the pairs folder relative to `out`'s folder, so the file's record
+    paths resolve wherever it is written (`train dpo` reads them as pairs / chosen)."""
+    rel = os.path.relpath(Path(folder.root).resolve(), Path(out).resolve().parent)
+    return [{**line, "pairs": rel} for line in lines]
+
+
 def write_jsonl(out: str | Path, lines: list[dict[str, Any]]) -> Path:
     """Write `lines` to `out` atomically: a reader sees the old file or the whole new one."""
     out = Path(out)
@@ -77,7 +84,7 @@ def export_human(folder: PairsFolder, db: str | Path, out: str | Path,
         if j.choice in ("left", "right"):
             lines.append(preference(pair, j.choice, j.annotator, j.time, "human"))
             exported[j.annotator] += 1
-    write_jsonl(out, lines)
+    write_jsonl(out, with_folder(lines, folder, out))
     return {"out": str(out), "exported": len(lines), "choices": dict(choices),
             "annotators": {a: {"judged": judged[a], "exported": exported[a]} for a in sorted(judged)},
             "pairs": len(folder.pairs), "unknown_pairs": unknown}
@@ -99,6 +106,6 @@ def export_auto(folder: PairsFolder, out: str | Path, margin: float = 0.02) -> d
             close += 1
             continue
         lines.append(preference(pair, "left" if left > right else "right", "reward", time, "auto"))
-    write_jsonl(out, lines)
+    write_jsonl(out, with_folder(lines, folder, out))
     return {"out": str(out), "exported": len(lines), "below_margin": close, "unscored": unscored,
             "pairs": len(folder.pairs), "margin": margin}

@@ -3,8 +3,8 @@ flow-matching form.
 
 Data: `dpo.prefs`, a JSON-lines file of preference pairs (`avatarstream annotate export` from
 people's choices, or `annotate auto` ranked by the reward terms): each line names the `chosen`
-and `rejected` rollout records (train/rollout.py `save_rollout`, paths relative to the file's
-folder), two renders of one condition. Per step, `train.batch` pairs; per pair and chunk, one σ
+and `rejected` rollout records (train/rollout.py `save_rollout`; paths relative to the pairs
+folder, which `pairs` gives relative to the file's folder), two renders of one condition. Per step, `train.batch` pairs; per pair and chunk, one σ
 (logit-normal) and one noise ε shared by the two renders (as Diffusion-DPO draws them), and the
 velocity errors e = |v(x_σ) − (ε − x0)|² of the policy and of the frozen anchor (the reference
 model). With Δ = (e_θ(w) − e_ref(w)) − (e_θ(l) − e_ref(l)) summed over the chunks:
@@ -43,7 +43,8 @@ def read_prefs(path: str | Path) -> list[dict[str, Any]]:
             continue
         try:
             row = json.loads(line)
-            chosen, rejected = p.parent / row["chosen"], p.parent / row["rejected"]
+            base = p.parent / row.get("pairs", ".")  # the pairs folder, relative to this file
+            chosen, rejected = base / row["chosen"], base / row["rejected"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise InputError(f"{p}:{n}: not a preference line ({type(e).__name__}: {e})") from None
         for q in (chosen, rejected):
