@@ -200,3 +200,15 @@ def test_showcase_writes_a_contact_sheet_and_gif_named_after_the_model_folder(tm
     first = np.asarray(gif.convert("RGB"))
     gif.seek(gif.n_frames // 2)
     assert np.abs(np.asarray(gif.convert("RGB")).astype(int) - first).mean() > 0.5
+
+
+def test_mouth_track_r_follows_the_renderer_and_not_a_still_mouth(case):
+    """`mouth_track_r` (benchmark): the ground truth's read opening against the renderer's exact one
+    is near 1, a static frame's has no correlation (None), a wrong track (another clip's) is low."""
+    from avatarstream.eval.benchmark import mouth_track_r
+
+    truth = np.array([s.open for s in case["clip"].states])
+    assert mouth_track_r(case["track"].states[:, 7], truth) > 0.95
+    still = face_track(np.repeat(case["frames"][:1], 40, 0), case["ex"]).states[:, 7]
+    assert mouth_track_r(still, truth) is None
+    assert abs(mouth_track_r(case["track"].states[::-1, 7], truth)) < 0.4  # the same mouth, time reversed (0.24)

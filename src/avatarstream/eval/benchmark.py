@@ -22,6 +22,8 @@ scenes and sentences. Models:
 
 `Bench` holds the cases of one split and what every run on them shares (renders, the reference's
 reads, the ground truth's evaluation), so `eval card` and `eval sweep` compute each once.
+`Bench.score` adds `mouth_track_r`, which needs what only a synthetic case has: the correlation of
+the opening the face-state expert reads with the renderer's exact opening of the driving clip.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ BASELINES = ("ground-truth", "static-frame", "wrong-identity")
 REFERENCE_MODES = ("video", "frame")
 MAX_STEPS = 64
 NOMINAL_CHUNK = 32  # frames: seams assumed for baselines, which have no chunks of their own
-SUMMARY_KEYS = ("sync_c", "sync_d", "face_sim", "style_error", "silence_mouth_closed", "boundary_smoothness",
-                "latent_cadence", "seam_vs_cadence", "psnr", "ssim", "fps", "ttff_s")
+SUMMARY_KEYS = ("sync_c", "sync_d", "face_sim", "style_error", "silence_mouth_closed", "mouth_track_r",
+                "boundary_smoothness", "latent_cadence", "seam_vs_cadence", "psnr", "ssim", "fps", "ttff_s")
+STILL_MOUTH = 1e-3  # std of the read opening (0..1) below which a mouth does not move: no correlation
 
 
 class CollectSink:
@@ -87,6 +90,18 @@ class Generated:
     fps: float | None = None
     ttff_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def mouth_track_r(opening: np.ndarray, truth: np.ndarray) -> float | None:
+    """Pearson correlation of the mouth opening the face-state expert reads in the generated video
+    (`states[:, 7]`) with the renderer's exact opening of the driving clip, over the common frames:
+    whether the mouth follows this speech, not only whether it moves. None when either track stands
+    still (a static frame), where a correlation is undefined."""
+    n = min(len(opening), len(truth))
+    a, b = np.asarray(opening[:n], np.float64), np.asarray(truth[:n], np.float64)
+    if n < 3 or a.std() < STILL_MOUTH or b.std() < STILL_MOUTH:
+        return None
+    return float(np.corrcoef(a, b)[0, 1])
 
 
 def wrong_identity_for(identity: int, seed: int) -> int:
@@ -266,8 +281,11 @@ class Bench:
         """Evaluate generated frames against the case's audio, reference video and ground truth."""
         if case.reference_reads is None:
             case.reference_reads = reference_embedding(self.ex, case.reference)
-        return evaluate(gen.frames, case.clip.audio, case.reference, self.ex, ground_truth=case.gt,
-                        chunk_starts=gen.chunk_starts, reference_reads=case.reference_reads)
+        ev = evaluate(gen.frames, case.clip.audio, case.reference, self.ex, ground_truth=case.gt,
+                      chunk_starts=gen.chunk_starts, reference_reads=case.reference_reads)
+        truth = np.array([st.open for st in case.clip.states])  # the renderer's exact opening
+        ev.metrics["mouth_track_r"] = mouth_track_r(ev.tracks["mouth_open"], truth)
+        return ev
 
     def ground_truth(self, case: Case) -> Evaluation:
         if case.gt_eval is None:

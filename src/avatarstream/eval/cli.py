@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--sweep-steps", help="card: also sweep these step counts (like 1,2,3) on the same cases")
     p.add_argument("--out", help="output folder (default VIDEO.eval/, eval-MODEL-SPLIT-sSEED/, eval-sweep-…, "
                                  "eval-card-MODEL-sSEED/; showcase: required)")
-    p.add_argument("--experts", help="folder with expert .safetensors (default: the bundled ones)")
+    p.add_argument("--experts", help="expert set: bundled (default), independent (evaluation-only sync and "
+                   "identity experts no training reward saw) or a folder of expert .safetensors")
     p.add_argument("--no-plots", action="store_true", default=None, help="skip the PNG plots")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 

@@ -10,7 +10,8 @@
   and expression.
 
 All frames enter as float tensors [N, 3, 256, 256] in [0, 1] (`to_canvas` resizes any frame size
-to the 256 canvas the locator was trained on). Weights live in `avatarstream/assets/experts/`.
+to the 256 canvas the locator was trained on). Weights live in `avatarstream/assets/experts/`; an
+evaluation-only second sync / identity pair, which no training reward saw, in `assets/experts-independent/`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ STATE_KEYS = ("mouth_x", "mouth_y", "scale", "yaw", "pitch", "roll", "blink", "o
 POSE_SCALE = 10.0  # degrees per unit
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "experts"
+# evaluation-only sync and identity experts trained apart from the bundled ones (which a training
+# reward may use): other identities, scenes, sentences' draws and seeds; face_state is shared
+INDEPENDENT_DIR = ASSET_DIR.parent / "experts-independent"
+EXPERT_SETS = {"bundled": ASSET_DIR, "independent": INDEPENDENT_DIR}
 
 
 def to_canvas(frames: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -236,17 +241,32 @@ class Experts:
 _CACHE: dict[str, Experts] = {}
 
 
+def expert_folder(folder: str | Path | None = None) -> Path:
+    """The folder of an expert set: None or "bundled" -> the bundled assets, "independent" -> the
+    evaluation-only set (`INDEPENDENT_DIR`), anything else a folder path."""
+    if folder is None:
+        return ASSET_DIR
+    return EXPERT_SETS.get(str(folder), Path(folder))
+
+
 def load_experts(folder: str | Path | None = None) -> Experts:
-    """Load face_state/sync/identity .safetensors from `folder` (default: the bundled assets)."""
+    """Load face_state/sync/identity .safetensors from `folder` (None / "bundled", "independent" or
+    a path; see `expert_folder`). A folder without face_state.safetensors takes the bundled one:
+    the face-state locator only places crops, and the independent set shares it."""
     from safetensors.torch import load_file
 
-    folder = Path(folder) if folder is not None else ASSET_DIR
+    folder = expert_folder(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"expert folder not found: {folder} (give bundled, independent or a folder of "
+                          "face_state/sync/identity .safetensors)")
     key = str(folder.resolve())
     if key in _CACHE:
         return _CACHE[key]
     nets = {"face_state": FaceStateNet(), "sync": SyncNet(), "identity": IdentityNet()}
     for name, net in nets.items():
         path = folder / f"{name}.safetensors"
+        if name == "face_state" and not path.exists():
+            path = ASSET_DIR / path.name
         if not path.exists():
             raise ConfigError(f"expert weights missing: {path} (train them: python -m avatarstream.eval.train_experts)")
         net.load_state_dict(load_file(str(path)))

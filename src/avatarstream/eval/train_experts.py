@@ -16,6 +16,15 @@ on held-out identities / voices, writing OUT/validation.json.
 Identities come from `identity_seeds(MASTER, n, "train")` and voices from `voices_for("train")`:
 held-out identities and voices are never drawn. Annotations (mouth position, pose, mouth
 opening) are the training targets and locate training crops; evaluation never reads them.
+
+Independent experts (evaluation-only experts that a reward built on the bundled ones never saw):
+another `--seed-base` and `--seed`, and `--exclude-base` naming the recipe whose identities must
+not be drawn (the bundled one: 4242, seed 0, default pool sizes); every draw skips them, and
+`disjointness()` checks the two recipes share no identity and no sync clip seed or scene:
+
+    python -m avatarstream.eval.train_experts --out RUN --stage identity --seed-base 5151 --seed 1 \\
+        --exclude-base 4242 --steps 2500 --minutes 7
+    (the same with --stage sync --steps 2600 --minutes 15, then --stage export --export-dir DIR)
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from avatarstream.eval.experts import (ASSET_DIR, FACE_SIZE, MOUTH_SIZE, POSE_SC
                                        mouth_box, to_canvas)
 from avatarstream.eval.face_states import random_state
 
-MASTER = 4242  # master seed of the experts' training identities
+MASTER = 4242  # master seed of the experts' training identities (the bundled recipe)
+POOL_SIZES = {"face_ids": 700, "identity_ids": 1500, "sync_clips": 110}  # the bundled recipe's pools
 VSHIFT = 15
 NEG = 7  # random shifted negatives per sample (besides one near shift)
 
@@ -62,12 +72,53 @@ def _jitter(rng: np.random.Generator, n: int, pos: float, scl: float) -> tuple[n
 
 
 # -- pools ---------------------------------------------------------------------------------------
-def face_pool(n_ids: int, per_id: int, seed: int) -> dict[str, torch.Tensor]:
+def draw_identities(master: int, n: int, exclude: frozenset[int] = frozenset(), split: str = "train") -> list[int]:
+    """`identity_seeds(master, ...)` with the seeds in `exclude` skipped: the first `n` of the
+    draw that are not excluded (with an empty `exclude`, exactly `identity_seeds(master, n)`)."""
+    if not exclude:
+        return identity_seeds(master, n, split)
+    out = [s for s in identity_seeds(master, n + len(exclude), split) if s not in exclude][:n]
+    assert len(out) == n
+    return out
+
+
+def recipe_draws(base: int = MASTER, seed: int = 0, exclude: frozenset[int] = frozenset(),
+                 face_ids: int = POOL_SIZES["face_ids"], identity_ids: int = POOL_SIZES["identity_ids"],
+                 sync_clips: int = POOL_SIZES["sync_clips"]) -> dict[str, list[int]]:
+    """The identity seeds each stage of a recipe trains on, and its sync clips' seeds (a sync clip's
+    seed also draws its scene, sentences and motion): what `face_pool`, `identity_pool` and
+    `sync_pool` draw for these arguments, without rendering anything."""
+    sync_ids = draw_identities(base + 13 + seed, sync_clips, exclude)
+    return {"face_state": draw_identities(base + seed, face_ids, exclude),
+            "identity": draw_identities(base + 7 + seed, identity_ids, exclude),
+            "sync": sync_ids,
+            "sync_clip_seeds": [derive_seed(base + 13 + seed, i, "sync", k) for k, i in enumerate(sync_ids)]}
+
+
+def recipe_exclusion(base: int | None, seed: int = 0) -> frozenset[int]:
+    """Every identity the recipe (`base`, `seed`, bundled pool sizes) trained any expert on; empty for None."""
+    if base is None:
+        return frozenset()
+    d = recipe_draws(base, seed)
+    return frozenset(d["face_state"]) | frozenset(d["identity"]) | frozenset(d["sync"])
+
+
+def disjointness(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, int]:
+    """Overlap counts between two recipes' draws (all zero when they are disjoint): identities
+    (any stage of one against any stage of the other), sync clip seeds and sync scenes."""
+    ids = lambda d: set(d["face_state"]) | set(d["identity"]) | set(d["sync"])  # noqa: E731
+    scenes = lambda d: {c % 1_000_000 for c in d["sync_clip_seeds"]}  # noqa: E731
+    clips = set(a["sync_clip_seeds"]) & set(b["sync_clip_seeds"])
+    return {"identities": len(ids(a) & ids(b)), "sync_clip_seeds": len(clips), "sync_scenes": len(scenes(a) & scenes(b))}
+
+
+def face_pool(n_ids: int, per_id: int, seed: int, base: int = MASTER, exclude: frozenset[int] = frozenset()
+              ) -> dict[str, torch.Tensor]:
     """Rendered training samples for the face-state net: loc [N, 3, 96, 96] uint8, face crops
     [N, 3, 64, 64] and mouth crops [N, 3, 48, 48] uint8 (jittered boxes), targets [N, 10]."""
     rng = np.random.default_rng(seed)
     locs, faces, mouths, ys = [], [], [], []
-    for ident in identity_seeds(MASTER + seed, n_ids, "train"):
+    for ident in draw_identities(base + seed, n_ids, exclude):
         r = AvatarRenderer(Identity.from_seed(ident), Scene.from_seed(int(rng.integers(1 << 30))))
         sts = [random_state(rng) for _ in range(per_id)]
         x = to_canvas(np.stack([r.render(s) for s in sts]))
@@ -88,11 +139,12 @@ def face_pool(n_ids: int, per_id: int, seed: int) -> dict[str, torch.Tensor]:
     return {"loc": u8(locs), "face": u8(faces), "mouth": u8(mouths), "y": torch.cat(ys)}
 
 
-def identity_pool(n_ids: int, views: int, seed: int) -> dict[str, torch.Tensor]:
+def identity_pool(n_ids: int, views: int, seed: int, base: int = MASTER, exclude: frozenset[int] = frozenset()
+                  ) -> dict[str, torch.Tensor]:
     """faces [n_ids, views, 3, 64, 64] uint8: each view a different scene and face state."""
     rng = np.random.default_rng(seed + 1)
     out = []
-    for ident in identity_seeds(MASTER + 7 + seed, n_ids, "train"):
+    for ident in draw_identities(base + 7 + seed, n_ids, exclude):
         idn = Identity.from_seed(ident)
         vs = []
         for _ in range(views):
@@ -124,13 +176,13 @@ def sync_clip(spec: ClipSpec, rng: np.random.Generator) -> dict[str, torch.Tenso
             "speaking": torch.tensor(pf["speaking"])}
 
 
-def sync_pool(n_clips: int, seconds: float, seed: int, split: str = "train", master: int | None = None
-              ) -> list[dict[str, torch.Tensor]]:
+def sync_pool(n_clips: int, seconds: float, seed: int, split: str = "train", master: int | None = None,
+              base: int = MASTER, exclude: frozenset[int] = frozenset()) -> list[dict[str, torch.Tensor]]:
     rng = np.random.default_rng(seed + 2)
-    master = MASTER + 13 + seed if master is None else master
+    master = base + 13 + seed if master is None else master
     voices = voices_for(split)
     out = []
-    for k, ident in enumerate(identity_seeds(master, n_clips, split)):
+    for k, ident in enumerate(draw_identities(master, n_clips, exclude, split)):
         cs = derive_seed(master, ident, "sync", k)
         spec = ClipSpec(identity=ident, scene=cs % 1_000_000, voice=voices[cs % len(voices)].id, seed=cs,
                         seconds=seconds, split=split)
@@ -205,7 +257,7 @@ def _pool(out: Path, name: str, make):  # type: ignore[no-untyped-def]
 
 
 def train_face(out: Path, args: argparse.Namespace) -> None:
-    pool = _pool(out, "face_state", lambda: face_pool(args.face_ids, 8, args.seed))
+    pool = _pool(out, "face_state", lambda: face_pool(args.face_ids, 8, args.seed, args.seed_base, args.exclude))
     net = FaceStateNet()
     n = pool["y"].shape[0]
     g = torch.Generator().manual_seed(args.seed)
@@ -223,7 +275,8 @@ def train_face(out: Path, args: argparse.Namespace) -> None:
 
 
 def train_identity(out: Path, args: argparse.Namespace) -> None:
-    pool = _pool(out, "identity", lambda: identity_pool(args.identity_ids, 3, args.seed))["faces"]
+    pool = _pool(out, "identity", lambda: identity_pool(args.identity_ids, 3, args.seed, args.seed_base,
+                                                   args.exclude))["faces"]
     net = IdentityNet()
     n, v = pool.shape[:2]
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -265,7 +318,8 @@ def _sync_batch(clips: list[dict[str, torch.Tensor]], b: int, g: torch.Generator
 
 
 def train_sync(out: Path, args: argparse.Namespace) -> None:
-    clips = _pool(out, "sync", lambda: sync_pool(args.sync_clips, args.sync_seconds, args.seed))
+    clips = _pool(out, "sync", lambda: sync_pool(args.sync_clips, args.sync_seconds, args.seed, base=args.seed_base,
+                                                 exclude=args.exclude))
     net = SyncNet()
     mel = torch.cat([c["mel"][:, 0].permute(1, 0, 2).reshape(40, -1) for c in clips[:20]], 1)
     net.mel_mean.copy_(mel.mean(1, keepdim=True))
@@ -289,11 +343,15 @@ def train_sync(out: Path, args: argparse.Namespace) -> None:
 
 # -- export and validation -----------------------------------------------------------------------
 def export(out: Path, dest: Path) -> dict[str, Any]:
-    """Write the trained weights as safetensors into `dest`; returns validation numbers."""
+    """Write the trained weights as safetensors into `dest` (the stages that have a checkpoint: an
+    independent run trains sync and identity only and shares the bundled face_state); returns
+    validation numbers."""
     from safetensors.torch import save_file
 
     dest.mkdir(parents=True, exist_ok=True)
     for name, cls in (("face_state", FaceStateNet), ("sync", SyncNet), ("identity", IdentityNet)):
+        if not (out / f"{name}.ckpt").exists():
+            continue
         net = cls()
         net.load_state_dict(torch.load(out / f"{name}.ckpt", weights_only=False)["net"])
         # float16 on disk (the three fit in 3 MB); load_state_dict casts back to float32
@@ -316,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget per stage")
     p.add_argument("--steps", type=int, default=3000, help="optimizer steps per stage (LR schedule length)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weight init, scenes, jitter, batches; offsets the draws")
+    p.add_argument("--seed-base", type=int, default=MASTER, help="master seed of the identity and clip draws")
+    p.add_argument("--exclude-base", type=int, help="never draw an identity that the recipe with this seed base "
+                   "(and --exclude-seed, bundled pool sizes) trained on: 4242 for the bundled experts")
+    p.add_argument("--exclude-seed", type=int, default=0)
     p.add_argument("--face-ids", type=int, default=700)
     p.add_argument("--identity-ids", type=int, default=1500)
     p.add_argument("--sync-clips", type=int, default=110)
@@ -329,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    args.exclude = recipe_exclusion(args.exclude_base, args.exclude_seed)
+    if args.exclude and args.stage != "export":
+        mine = recipe_draws(args.seed_base, args.seed, args.exclude, args.face_ids, args.identity_ids, args.sync_clips)
+        overlap = disjointness(mine, recipe_draws(args.exclude_base, args.exclude_seed))
+        print(f"disjointness from base {args.exclude_base}: overlaps {overlap}", flush=True)
+        if overlap["identities"] or overlap["sync_clip_seeds"]:
+            raise SystemExit(f"draws overlap the excluded recipe: {overlap}")
     stages = ["face_state", "identity", "sync"] if args.stage == "all" else [args.stage]
     for s in stages:
         if s == "export":
