@@ -49,7 +49,7 @@ $(SERVE): $(REAL)
 
 # LiveKit rooms and real-footage curation (Ray Data): optional extras the tests cover.
 $(EXTRA): $(SERVE)
-	$(PY) -m pip install -q -e '.[dev,real,serve,browser,livekit,curate]'
+	$(PY) -m pip install -q -e '.[dev,real,serve,browser,livekit,curate,pipecat]'
 	touch $(EXTRA)
 
 # The layer contracts first (import-linter, pyproject.toml): a forbidden arrow fails in seconds.
