@@ -2,7 +2,8 @@
 
     host = acquire_host("tiny-random", "face.jpg", max_sessions=2)   # loaded once per process
     stream = SessionStream(host, loop)          # one live session on the host's scheduler
-    stream.offer(samples16k)                    # the agent's speech (float32, 16 kHz); False: full
+    await stream.offer(samples16k)              # the agent's speech (float32, 16 kHz); False: full
+    await stream.end_of_speech(); await stream.clear(); await stream.listen(True)
     async for item in stream: ...               # Frame(index, rgb, pcm16 | None) | SegmentEnd
     release_host(host)
 
@@ -17,6 +18,9 @@ video frame with its audio: frame n with session samples [n * spf, (n + 1) * spf
 16 kHz) while the session speaks (between its `speech_started` and `speech_ended`), None while it
 listens (idle frames: closed mouth, small motion; no audio). The speech samples are the ones
 offered, bit for bit: the session passes speech through and pads with silence.
+
+`remote.RemoteStream` has the same interface over a running `avatarstream serve`; the Pipecat
+service drives either.
 """
 
 from __future__ import annotations
@@ -157,9 +161,28 @@ class SessionStream:
         assert self.session.origin is not None
         return self.session.origin
 
-    def offer(self, samples: np.ndarray) -> bool:
+    paced = False  # frames come as soon as they are made (up to lead_s ahead), not at their time
+
+    @property
+    def running(self) -> bool:
+        return self.session.running
+
+    async def offer(self, samples: np.ndarray) -> bool:
         """Queue float32 speech at the model's rate if it fits now (never blocks)."""
         return self.session.offer_audio(samples)
+
+    async def end_of_speech(self) -> None:
+        self.session.end_of_speech()
+
+    async def clear(self) -> None:
+        self.session.clear_buffer()
+
+    async def listen(self, on: bool) -> None:
+        self.session.listen(on)
+
+    async def more_to_come(self, *, talking: bool) -> bool:
+        """Whether speech is still queued (`talking`: or being spoken now)."""
+        return bool(self.session.queue.buffered) or (talking and self.session.talking)
 
     def _put(self, item: object) -> None:
         with self._lock:

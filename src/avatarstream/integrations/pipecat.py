@@ -33,6 +33,18 @@ up to `lead_s` ahead).
 Several services in one process share one host per (model, avatar, device): one model, one
 scheduler batching every pipeline's chunks (`local.acquire_host`), or pass `host=` yourself.
 
+Remote mode, `AvatarstreamVideoService(url="http://gpu-box:8000", avatar="face.jpg",
+api_key=KEY)` (or `avatar_id=` of one uploaded before): the model runs in an `avatarstream serve`
+(`remote.RemoteStream`: a session through its API, the speech over its WebSocket, the video and
+the session's audio back over WebRTC). The same frames come out; the audio is the server's copy
+as WebRTC carries it (Opus, resampled to 16 kHz), and every frame comes at its playout time.
+
+Remote mode, `AvatarstreamVideoService(url="http://gpu-box:8000", avatar="face.jpg",
+api_key=KEY)` (or `avatar_id=` of one uploaded before): the model runs in an `avatarstream serve`
+(`remote.RemoteStream`: a session through its API, the speech over its WebSocket, the video and
+the session's audio back over WebRTC). The same frames come out; the audio is the server's copy
+as WebRTC carries it (Opus, resampled to 16 kHz), and every frame comes at its playout time.
+
 Metrics, the Pipecat way (`PipelineParams(enable_metrics=True)`): TTFB from the utterance's first
 `TTSAudioRawFrame` in to its first speaking video frame out; processing time from that same audio
 frame to the utterance's last frame out. `ttfb_s` keeps the TTFBs measured.
@@ -72,23 +84,38 @@ class AvatarstreamVideoService(AIService):
     def __init__(self, *, model: str | None = None, avatar: str | Path | None = None,
                  device: str = "cpu", max_sessions: int | None = None,
                  seconds_per_chunk: float | None = None, lead_s: float = 0.3,
-                 host: Any = None, **kwargs: Any) -> None:
+                 host: Any = None, url: str | None = None, api_key: str = "avatarstream-pipecat",
+                 avatar_id: str | None = None, **kwargs: Any) -> None:
         """model: a registered model name (default: the bundled model); avatar: an image or video
         of the person (default: a drawn test face); max_sessions: the shared host's admission
         (None: measured at start, as `serve` does: a minute or so); host: an already started
         `AvatarHost` to open the session on (model/avatar/device are then ignored).
-        Raises ConfigError for an unknown model, InputError for an avatar file that is not there."""
+        Remote mode: url of an `avatarstream serve`, api_key its bearer key (any name on a
+        server without keys; never logged), avatar a file to upload or avatar_id one uploaded
+        with the same key; the server's model is used (model/device/host are ignored).
+        Raises ConfigError for an unknown model or a URL that is not http(s), InputError for an
+        avatar file that is not there or a remote service without an avatar."""
         from avatarstream.registry import resolve_model
 
-        name = host.models.name if host is not None else resolve_model(model)
         if avatar is not None and not Path(avatar).is_file():
             raise InputError(f"avatar file not found: {avatar}")
+        if url is not None:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"url must be the server's http(s) address, e.g. "
+                                  f"http://127.0.0.1:8000 (got {url!r})")
+            if avatar is None and avatar_id is None:
+                raise InputError("a remote avatar needs avatar= (a file to upload) or avatar_id=")
+            name = "remote"
+        else:
+            name = host.models.name if host is not None else resolve_model(model)
         super().__init__(settings=ServiceSettings(model=name), **kwargs)
+        self._remote = None if url is None else dict(url=url, api_key=api_key, avatar_id=avatar_id,
+                                                     avatar=None if avatar is None else Path(avatar))
         self._host_args = dict(model=name, avatar=avatar, device=device, max_sessions=max_sessions,
                                seconds_per_chunk=seconds_per_chunk, lead_s=lead_s)
         self._given_host = host
         self._host: Any = None
-        self._stream: SessionStream | None = None
+        self._stream: Any = None  # SessionStream | RemoteStream
         self._out_task: asyncio.Task | None = None
         self._resampler: soxr.ResampleStream | None = None
         self._in_rate = 0
@@ -106,6 +133,14 @@ class AvatarstreamVideoService(AIService):
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
+        if self._remote is not None:
+            from avatarstream.integrations.remote import RemoteStream
+
+            stream = RemoteStream(**self._remote)
+            await stream.open()
+            self._stream = stream
+            self._out_task = self.create_task(self._output())
+            return
         if self._given_host is not None:
             self._host = self._given_host
         else:  # loads the model on first use in this process: off the event loop
@@ -157,9 +192,13 @@ class AvatarstreamVideoService(AIService):
             # The user's turn. Speech already queued still plays (the agent stack decides whether
             # to interrupt it: InterruptionFrame); with none queued the session idles: listening.
             self.listening = True
+            if self._stream is not None:
+                await self._stream.listen(True)
             await self.push_frame(frame, direction)
         elif isinstance(frame, UserStoppedSpeakingFrame):
             self.listening = False
+            if self._stream is not None:
+                await self._stream.listen(False)
             await self.push_frame(frame, direction)
         else:  # TTSStartedFrame and everything else
             await self.push_frame(frame, direction)
@@ -178,7 +217,7 @@ class AvatarstreamVideoService(AIService):
             x = x.reshape(-1, frame.num_channels).mean(axis=1)
         if self._resampler is not None and self._in_rate != frame.sample_rate:
             await self._feed(self._flush())  # the TTS changed its rate: a new stream
-        rate = self._host.models.config.sample_rate
+        rate = self._stream.sample_rate
         if frame.sample_rate == rate:
             await self._feed(x)
             return
@@ -202,7 +241,7 @@ class AvatarstreamVideoService(AIService):
         stream = self._stream
         if stream is None or not x.size:
             return
-        while stream.session.running and not stream.offer(x):
+        while stream.running and not await stream.offer(x):
             await asyncio.sleep(POLL_S)
 
     async def _end_utterance(self, frame: PipecatFrame, direction: FrameDirection) -> None:
@@ -212,11 +251,11 @@ class AvatarstreamVideoService(AIService):
         if stream is None:
             await self.push_frame(frame, direction)
             return
-        stream.session.end_of_speech()
+        await stream.end_of_speech()
         held, self._held_stop = self._held_stop, None
         if held is not None:  # two stops without a segment end between them: let the first go
             await self.push_frame(held, direction)
-        if stream.session.talking or stream.session.queue.buffered:
+        if await stream.more_to_come(talking=True):
             self._held_stop = frame
         else:
             self._measuring = False
@@ -225,7 +264,7 @@ class AvatarstreamVideoService(AIService):
     async def _interrupt(self) -> None:
         self._resampler = None
         if self._stream is not None:
-            self._stream.session.clear_buffer()
+            await self._stream.clear()
         self._measuring = self._waiting_first_frame = False
         held, self._held_stop = self._held_stop, None
         if held is not None:
@@ -242,7 +281,7 @@ class AvatarstreamVideoService(AIService):
                 await self._segment_end(item)
                 continue
             assert isinstance(item, Frame)
-            if item.pcm is None:  # listening: release at the frame's media time
+            if item.pcm is None and not stream.paced:  # listening: release at its media time
                 delay = stream.origin + item.index / stream.fps - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -264,7 +303,8 @@ class AvatarstreamVideoService(AIService):
         stream = self._stream
         if self._measuring and not end.interrupted:
             await self.stop_processing_metrics()
-        if self._held_stop is not None and (stream is None or not stream.session.queue.buffered):
+        if self._held_stop is not None and (stream is None
+                                            or not await stream.more_to_come(talking=False)):
             stop, self._held_stop = self._held_stop, None
             self._measuring = False
             await self.push_frame(stop)

@@ -23,8 +23,9 @@ whatever else is attached (`add_sink`: the WebRTC playout, live HLS, ...).
 
 `events` (and the `on_event` callback) report what a client needs to measure latency and sync:
 `speech_started` / `speech_ended` with the media time of the segment's first / last frame,
-`cleared`, `session_ended` with a reason (and, when it is "error", the error's message: one the
-user can act on, e.g. "no space left on device", or "internal error").
+`cleared`, `listening` (the user's turn began or ended: `on`), `session_ended` with a reason
+(and, when it is "error", the error's message: one the user can act on, e.g. "no space left on
+device", or "internal error").
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class LiveSession:
         self.sample = 0  # next audio sample of the timeline to publish
         self.segment: TalkSegment | None = None
         self.segments = 0
+        self.listening = False  # the user is speaking (set by `listen`)
         self.due: float | None = None  # when poll() has work next (scheduler hint)
         self.error: BaseException | None = None
         self.end_reason: str | None = None
@@ -227,6 +229,17 @@ class LiveSession:
         """Reset the idle timeout."""
         self.queue.keep_alive()
 
+    def listen(self, on: bool) -> None:
+        """The user started (True) or stopped (False) speaking. With no speech queued the
+        session already shows what a listener looks like (idle frames: closed mouth, small
+        motion); listening adds that the session does not time out while the user talks, and a
+        `listening` event. Speech already queued still plays: cutting it is `clear_buffer`."""
+        on = bool(on)
+        self.queue.keep_alive()
+        if on != self.listening:
+            self.listening = on
+            self._emit("listening", on=on, media_s=round(self.frame / self.fps, 3))
+
     @property
     def buffered_seconds(self) -> float:
         return self.queue.buffered_seconds
@@ -292,6 +305,8 @@ class LiveSession:
         assert self.origin is not None
         c = self.config
         self.due = None
+        if self.listening:  # the user is talking: that is no idle session
+            self.queue.keep_alive()
         self.queue.check_idle()
         wall_media = now - self.origin
         if self.segment is None:

@@ -48,6 +48,58 @@ def _content_type(path: Path) -> str:
     return {"audio/x-wav": "audio/wav", "video/x-matroska": "video/x-matroska"}.get(ctype, ctype)
 
 
+def quiet_url(url: str) -> str:
+    """`url` without its query: session URLs carry the session's token, never put in a message."""
+    return url.split("?", 1)[0]
+
+
+def prepare_ice(server: str) -> None:
+    """The same rule as the server: loopback ICE candidates for a loopback server, else this
+    machine's addresses."""
+    from urllib.parse import urlsplit
+
+    from avatarstream.serve.webrtc import is_loopback_host, use_host_addresses
+
+    use_host_addresses(["127.0.0.1"] if is_loopback_host(urlsplit(server).hostname or "") else None)
+
+
+async def api_call(http: Any, server: str, method: str, url: str, **kw: Any) -> dict:
+    """One call of the server's API; its JSON answer, or InputError with the server's reason
+    (the URL in the message without its query: no token)."""
+    async with http.request(method, server + url, **kw) as r:
+        body = await r.json(content_type=None) if r.status != 204 else {}
+        if r.status >= 400:
+            reason = body.get("error", r.reason) if isinstance(body, dict) else r.reason
+            raise InputError(f"{method} {quiet_url(url)}: HTTP {r.status}: {reason}")
+        return body or {}
+
+
+async def open_session(http: Any, server: str, *, avatar: Path | None = None,
+                       avatar_id: str | None = None, body: dict | None = None) -> tuple[str, dict]:
+    """Upload the avatar (unless `avatar_id` names one) and open a session on it; returns
+    (avatar id, the server's session answer: session_id, token, audio_url, offer_url, ...)."""
+    if avatar is None and avatar_id is None:
+        raise InputError("name the avatar: a file to upload or the id of one uploaded before")
+    if avatar is not None:
+        data = avatar.read_bytes()
+        avatar_id = (await api_call(http, server, "POST", "/v1/avatars", data=data,
+                                    headers={"Content-Type": _content_type(avatar)}))["id"]
+    s = await api_call(http, server, "POST", "/v1/sessions",
+                       json={"avatar_id": avatar_id, **(body or {})})
+    return str(avatar_id), s
+
+
+async def receive_webrtc(pc: Any, http: Any, server: str, offer_url: str) -> None:
+    """Make `pc` receive the session's video and audio tracks (recvonly; offer/answer, the
+    candidates in the SDP). Attach `pc.on("track")` and the receivers' watchers first."""
+    from aiortc import RTCSessionDescription
+
+    await pc.setLocalDescription(await pc.createOffer())
+    answer = await api_call(http, server, "POST", offer_url, json={
+        "sdp": pc.localDescription.sdp, "type": pc.localDescription.type})
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+
+
 async def run_client(server: str, *, api_key: str, avatar: Path | None = None,
                      avatar_id: str | None = None, text: str | None = None,
                      audio: Path | np.ndarray | None = None, voice: str | None = None,
@@ -56,15 +108,10 @@ async def run_client(server: str, *, api_key: str, avatar: Path | None = None,
                      session_body: dict | None = None) -> tuple[dict, Received]:
     """One session as the web page runs it; returns (summary, everything received)."""
     import aiohttp
-    from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
-
-    from urllib.parse import urlsplit
-
-    from avatarstream.serve.webrtc import is_loopback_host, use_host_addresses
+    from aiortc import RTCConfiguration, RTCPeerConnection
 
     server = server.rstrip("/")
-    # the same rule as the server: loopback candidates for a loopback server, else this machine's
-    use_host_addresses(["127.0.0.1"] if is_loopback_host(urlsplit(server).hostname or "") else None)
+    prepare_ice(server)
     headers = {"Authorization": f"Bearer {api_key}"}
     rec, marks = Received(), {}
     recorder = Recorder(out) if out is not None else None
@@ -73,18 +120,10 @@ async def run_client(server: str, *, api_key: str, avatar: Path | None = None,
     async with aiohttp.ClientSession(headers=headers) as http:
 
         async def call(method: str, url: str, **kw: Any) -> dict:
-            async with http.request(method, server + url, **kw) as r:
-                body = await r.json(content_type=None) if r.status != 204 else {}
-                if r.status >= 400:
-                    raise InputError(f"{method} {url}: HTTP {r.status}: "
-                                     f"{(body or {}).get('error', r.reason)}")
-                return body or {}
+            return await api_call(http, server, method, url, **kw)
 
-        if avatar is not None:
-            data = avatar.read_bytes()
-            avatar_id = (await call("POST", "/v1/avatars", data=data,
-                                    headers={"Content-Type": _content_type(avatar)}))["id"]
-        s = await call("POST", "/v1/sessions", json={"avatar_id": avatar_id, **(session_body or {})})
+        avatar_id, s = await open_session(http, server, avatar=avatar, avatar_id=avatar_id,
+                                          body=session_body)
         ws = await http.ws_connect(server + s["audio_url"])
 
         async def events() -> None:
@@ -100,10 +139,7 @@ async def run_client(server: str, *, api_key: str, avatar: Path | None = None,
 
         for kind in ("video", "audio"):
             watch_rtp(pc.addTransceiver(kind, direction="recvonly").receiver, kind, rec)
-        await pc.setLocalDescription(await pc.createOffer())
-        answer = await call("POST", s["offer_url"], json={"sdp": pc.localDescription.sdp,
-                                                          "type": pc.localDescription.type})
-        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+        await receive_webrtc(pc, http, server, s["offer_url"])
         deadline = time.monotonic() + timeout
         try:
             while not rec.video_t:  # the avatar is idling on screen

@@ -32,7 +32,7 @@ SESSION = _obj({"session_id": HEX_ID, "token": S, "audio_url": S, "offer_url": S
                 "hls_url": _nullable(S), "rtmp": _nullable(S), "sample_rate": INT, "fps": INT,
                 "playout_delay_s": NUM})
 SESSION_STATE = _obj({
-    "state": {"type": "string", "enum": ["idle", "talking", "ended"]}, "media_s": NUM,
+    "state": {"type": "string", "enum": ["idle", "talking", "listening", "ended"]}, "media_s": NUM,
     "lag_s": NUM, "buffered_s": NUM, "utterances": INT, "viewer": BOOL,
     "playout_start_s": _nullable(NUM), "late_frames": INT, "rtmp": _nullable({"type": "object"}),
     "events": {"type": "array", "items": _obj({"type": S}, ["type"])}})
@@ -132,7 +132,7 @@ def openapi_schema(limits: Limits | None = None) -> dict:
                 "responses": _answers({201: _json(SESSION, "the session, its token and URLs")},
                                       401, 404, 413, 429, 503, 507)}},
             "/v1/sessions/{id}": {
-                "get": {"summary": "session state: idle/talking/ended, media time, lag, events",
+                "get": {"summary": "session state: idle/talking/listening/ended, media time, lag, events",
                         **session_op,
                         "responses": _answers({200: _json(SESSION_STATE, "state")}, 401, 404)},
                 "delete": {"summary": "end the session and remove its files", **session_op,
@@ -159,12 +159,15 @@ def openapi_schema(limits: Limits | None = None) -> dict:
                 "summary": "WebSocket: binary PCM16 mono 16 kHz speech, packets of at most "
                            f"{limits.max_packet_bytes} bytes (a larger one closes the socket "
                            "with 1009 and a reason); JSON text messages {type: end_of_speech | "
-                           "clear_buffer | keep_alive | text}. The server answers {type: "
+                           "clear_buffer | keep_alive | text} and {type: listening, on: true | "
+                           "false} (the user started / stopped speaking: the avatar listens, "
+                           "mouth closed, idle motion; queued speech still plays, clear_buffer "
+                           "cuts it). The server answers {type: "
                            "slow_down} when a packet does not fit the speech buffer (send it "
                            "again later), {type: cleared, dropped_s}, {type: error, error}, and "
                            "sends the session's events: playout, speech_started, speech_ended, "
-                           "session_ended (with media_s, and error when it ended on one). A "
-                           "stopping server closes the socket with 1001.",
+                           "listening (on, media_s), session_ended (with media_s, and error when "
+                           "it ended on one). A stopping server closes the socket with 1001.",
                 **session_op,
                 "responses": _answers({101: {"description": "WebSocket upgrade"}}, 401, 404)}},
             "/v1/sessions/{id}/hls/{name}": {"get": {

@@ -1,10 +1,13 @@
 """Session routes: create, status, WebRTC offer/answer, the audio WebSocket, TTS, control, HLS.
 
 The WebSocket carries binary PCM16 mono 16 kHz speech and JSON text messages both ways:
-client -> server `{"type": "end_of_speech" | "clear_buffer" | "keep_alive"}` and
-`{"type": "text", "text": ..., "voice": ...}`; server -> client `slow_down` (a packet did not fit
-the speech buffer: send it again later), `cleared`, `queued`, `error`, and the session's events
-(`playout`, `speech_started`, `speech_ended`, `session_ended`). An audio packet of up to
+client -> server `{"type": "end_of_speech" | "clear_buffer" | "keep_alive"}`,
+`{"type": "text", "text": ..., "voice": ...}` and `{"type": "listening", "on": true | false}`
+(the user started / stopped speaking: the avatar listens, closed mouth and idle motion, and the
+session does not time out meanwhile; speech already queued still plays, `clear_buffer` cuts it);
+server -> client `slow_down` (a packet did not fit the speech buffer: send it again later),
+`cleared`, `queued`, `error`, and the session's events (`playout`, `speech_started`,
+`speech_ended`, `listening`, `session_ended`). An audio packet of up to
 `Limits.max_packet_bytes` is taken; a larger one closes the socket with 1009 (message too big) and
 a reason that says the limit.
 """
@@ -124,7 +127,8 @@ async def get_session(request: web.Request, entry: Entry) -> web.Response:
     s = entry.session
     sched = request.app[SESSIONS].scheduler
     return web.json_response({
-        "state": "ended" if not s.running else "talking" if s.talking else "idle",
+        "state": ("ended" if not s.running else "talking" if s.talking else
+                  "listening" if s.listening else "idle"),
         "media_s": round(s.frame / s.fps, 3), "lag_s": round(sched.lag_s(s), 3),
         "buffered_s": round(s.buffered_seconds, 3), "utterances": s.segments,
         "viewer": entry.peer is not None, "playout_start_s": entry.playout_start_s,
@@ -248,6 +252,13 @@ async def _control(request: web.Request, ws: web.WebSocketResponse, entry: Entry
         session.clear_buffer()  # every socket of the session gets the `cleared` event
     elif kind == "keep_alive":
         session.keep_alive()
+    elif kind == "listening":  # every socket of the session gets the `listening` event
+        on = msg.get("on", True) if isinstance(msg, dict) else True
+        if not isinstance(on, bool):
+            await ws.send_json({"type": "error", "error": 'send {"type": "listening", "on": true '
+                                '| false} (on: whether the user is speaking)'})
+            return
+        session.listen(on)
     elif kind == "text":
         assert isinstance(msg, dict)
         try:
@@ -256,7 +267,8 @@ async def _control(request: web.Request, ws: web.WebSocketResponse, entry: Entry
             await ws.send_json({"type": "error", "error": str(e)})
     else:
         await ws.send_json({"type": "error", "error": 'control messages are JSON {"type": '
-                            '"end_of_speech" | "clear_buffer" | "keep_alive" | "text"}'})
+                            '"end_of_speech" | "clear_buffer" | "keep_alive" | "listening" | '
+                            '"text"}'})
 
 
 @ROUTES.get("/v1/sessions/{id}/hls/{name}")

@@ -8,18 +8,24 @@ name, the metadata naming the agent as the sender and the avatar's identity) and
 agent session's audio output to that participant over LiveKit's byte stream
 (`DataStreamAudioOutput`, waiting for the avatar's video track), resampled to the model's
 rate on the agent's side. Interrupts (`clear_buffer`) and playback notices travel by RPC, as
-LiveKit Agents defines them.
+LiveKit Agents defines them. The agent session's user state (the user speaking or not), which
+LiveKit keeps inside the agent, is forwarded as an attribute of the agent participant
+(`forward_user_state`), so the avatar listens while the user speaks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 from livekit import api, rtc
 from livekit.agents.voice.avatar import AvatarSession, DataStreamAudioOutput
 
-from avatarstream.serve.livekit.worker import AGENT_NAME
+from avatarstream.serve.livekit.worker import AGENT_NAME, USER_STATE_ATTRIBUTE
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from livekit.agents.voice import AgentSession
@@ -54,3 +60,27 @@ class AvatarStreamAvatar(AvatarSession):
         agent_session.output.audio = DataStreamAudioOutput(
             room, destination_identity=self._identity, sample_rate=self.sample_rate,
             wait_remote_track=rtc.TrackKind.KIND_VIDEO)
+        forward_user_state(agent_session, room.local_participant)
+
+
+def forward_user_state(agent_session: Any, participant: Any) -> None:
+    """Publish the agent session's user state (`user_state_changed`: speaking / listening /
+    away) as `USER_STATE_ATTRIBUTE` of the agent's participant, now and at every change; the
+    avatar worker follows it (worker.follow_user_state). The latest change wins."""
+    tasks: set[asyncio.Task] = set()
+
+    def publish(state: str) -> None:
+        async def put() -> None:
+            try:
+                await participant.set_attributes({USER_STATE_ATTRIBUTE: state})
+            except Exception as e:  # noqa: BLE001 - the room went away: nothing to tell
+                log.debug("user state not forwarded: %s", e)
+
+        for t in tasks:
+            t.cancel()
+        task = asyncio.ensure_future(put())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    publish(agent_session.user_state)
+    agent_session.on("user_state_changed", lambda ev: publish(ev.new_state))

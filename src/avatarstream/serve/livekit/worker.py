@@ -18,6 +18,12 @@ Jobs run on threads of this process (`JobExecutorType.THREAD`), not in job proce
 does by default: the model is loaded once and every room's chunks are batched by the one
 scheduler. The dispatcher is told `AvatarHost.load()` with a threshold of 1.0 (host.py).
 
+Listening: LiveKit Agents keeps the user's state (speaking / listening / away) in the agent's
+`AgentSession` and publishes only the agent's own state to the room, so the avatar participant
+cannot see it. `agent.AvatarStreamAvatar` forwards it as an attribute of the agent participant
+(`USER_STATE_ATTRIBUTE`); the job follows that attribute (`follow_user_state`): while the user
+speaks, the room's session listens (`LiveSession.listen`).
+
 Dispatch metadata (JSON, every key optional): {"sender_identity": the agent's identity,
 "avatar_identity": this participant's identity, "avatar_name": its display name}.
 """
@@ -27,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from livekit import rtc
 from livekit.agents import AgentServer, AutoSubscribe, JobContext, JobExecutorType, JobRequest, utils
@@ -43,6 +51,7 @@ log = logging.getLogger(__name__)
 AGENT_NAME = "avatarstream"
 SENDER_TIMEOUT_S = 60.0  # a dispatched job waits this long for its agent to be in the room
 ROOM_AUDIO_RATE = 48000  # the avatar's audio track (WebRTC's Opus codes 48 kHz whatever it is fed)
+USER_STATE_ATTRIBUTE = "avatarstream.user_state"  # on the agent participant: its user's state
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,19 @@ class DispatchMetadata:
 
         return cls(text_of("sender_identity"), text_of("avatar_identity"),
                    text_of("avatar_name") or "avatar")
+
+
+def follow_user_state(sender_identity: str, session: Any) -> Callable[[dict, Any], None]:
+    """A `participant_attributes_changed` handler (changed attributes, participant): the agent's
+    `USER_STATE_ATTRIBUTE` turns the session's listening on ("speaking") and off (anything else).
+    Call it with the agent's current attributes once when the room starts."""
+
+    def on_changed(changed: dict, participant: Any) -> None:
+        state = changed.get(USER_STATE_ATTRIBUTE)
+        if getattr(participant, "identity", None) == sender_identity and state is not None:
+            session.listen(state == "speaking")
+
+    return on_changed
 
 
 def make_server(host: AvatarHost, settings: WorkerSettings) -> AgentServer:
@@ -135,6 +157,9 @@ async def run_room(ctx: JobContext, host: AvatarHost) -> None:
             left.set()
 
     room.on("participant_disconnected", on_left)
+    user_state = follow_user_state(sender.identity, gen.session)
+    user_state(dict(sender.attributes), sender)
+    room.on("participant_attributes_changed", user_state)
     room.on("disconnected", lambda *_: left.set())
     try:
         await runner.start()
