@@ -65,7 +65,7 @@ from avatarstream.integrations.local import Frame, SegmentEnd, SessionStream, ac
 try:
     import soxr
     from pipecat.frames.frames import (CancelFrame, EndFrame, InterruptionFrame, OutputImageRawFrame,
-                                       StartFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame,
+                                       StartFrame, TTSAudioRawFrame, TTSStoppedFrame,
                                        UserStartedSpeakingFrame, UserStoppedSpeakingFrame)
     from pipecat.frames.frames import Frame as PipecatFrame
     from pipecat.processors.frame_processor import FrameDirection
