@@ -31,7 +31,7 @@ import torch
 from avatarstream.engine.module import Module
 from avatarstream.engine.config import ModelSet
 from avatarstream.errors import ConfigError
-from avatarstream.hardware import bf16_is_fast
+from avatarstream.hardware import bf16_is_fast, vae_backend
 from avatarstream.models.audio import AudioConfig, StreamingAudioFeatures
 from avatarstream.models.dit import DiTConfig
 from avatarstream.models.refiner import RefinerConfig
@@ -162,6 +162,8 @@ def load_model(name: str, *, device: str = "cpu", bf16: bool | None = None, lora
     if bf16 is None:
         bf16 = name != "tiny-random" and bf16_is_fast(device)
     ac = torch.bfloat16 if bf16 else None
+    if hasattr(nets.get("vae"), "set_decode_backend"):  # the causal VAE: eager or a faster backend
+        nets["vae"].set_decode_backend(vae_backend())
     mods = {k: None if v is None else
             Module(k, v, device=device, autocast_dtype=ac if k in ("dit", "refiner", "vae") else None)
             for k, v in nets.items()}

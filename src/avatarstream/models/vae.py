@@ -219,6 +219,14 @@ class CausalVAE(nn.Module):
         for name, m in self.named_modules():  # cache keys = module names (unique, stable)
             if hasattr(m, "cache_key"):
                 m.cache_key = name
+        self.decode_backend = None  # a `vae_backend.DecodeBackend` for steady chunks; None: eager
+
+    def set_decode_backend(self, kind: str) -> None:
+        """Decode a stream's steady-state chunks through `kind` (`vae_backend.BACKENDS`;
+        "eager": as written). The first chunk of a stream always decodes eagerly."""
+        from avatarstream.models.vae_backend import DecodeBackend
+
+        self.decode_backend = None if kind == "eager" else DecodeBackend(self, kind)
 
     # -- whole sequence --------------------------------------------------------------------------
     def encode(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,6 +268,11 @@ class CausalVAE(nn.Module):
         """
         self._check_latent(z_chunk)
         cache.bind("decode")
+        if self.decode_backend is not None and clamp:
+            out = self.decode_backend.decode_step(z_chunk, cache)
+            if out is not None:
+                cache.chunks += 1
+                return out
         x = self.decoder(self.post_quant_conv(z_chunk), cache)
         cache.chunks += 1
         return x.clamp(-1.0, 1.0) if clamp else x

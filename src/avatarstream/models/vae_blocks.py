@@ -25,9 +25,11 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     N·C·T·H ≤ 20480 — exactly the size of a streaming chunk — which is ≈ 10× slower here and
     allocates a Cin·k³·T·H·W column buffer (≈ 60 MB for 16 channels, 35 frames at 32×32) that
     would dominate a chunk's peak memory. Results agree with F.conv3d to float rounding.
-    Under autocast, with gradients, or off the CPU: plain F.conv3d.
+    Under autocast, with gradients, off the CPU, or while torch.compile / torch.export trace it
+    (`torch.compiler.is_compiling`: the compiler picks its own convolution kernels, and an
+    exported graph needs the portable op): plain F.conv3d.
     """
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and not torch.is_autocast_enabled("cpu")
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
