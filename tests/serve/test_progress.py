@@ -97,7 +97,11 @@ def test_livekit_says_it_calibrates_and_what_it_measured(tmp_path):
         lines = _read_until(proc, "registering with", 180)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        try:  # what is checked is what it printed; a worker caught inside LiveKit's connect retries
+            proc.communicate(timeout=60)  # (seen once, under load) is stopped the hard way
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=30)
     text = "\n".join(lines)
     assert lines[0] == "avatarstream livekit: loading model tiny-random on cpu..."
     assert "avatarstream livekit: measuring how many rooms this machine keeps in real time" in text
