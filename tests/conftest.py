@@ -103,3 +103,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_restored():
+    """Each test leaves SIGINT and SIGTERM as it found them: a library that takes them in-process
+    (an event loop's signal handlers, an agent framework) and leaves them ignored would be
+    inherited by every later test's subprocess, which then cannot be stopped with Ctrl-C."""
+    import signal as _signal
+
+    saved = {s: _signal.getsignal(s) for s in (_signal.SIGINT, _signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and _signal.getsignal(s) is not handler:
+            _signal.signal(s, handler)

@@ -155,6 +155,13 @@ def test_publishing_rank_killed_keeps_a_playable_file(media, job):
     assert np.abs(got.astype(int) - seq[: got.shape[0]]).max() <= 1
 
 
+def _default_signals() -> None:
+    """In the child: SIGINT and SIGTERM at their defaults, as a shell starts a command (an ignored
+    disposition in the test process would otherwise be inherited)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def test_signing_in_a_torchrun_rank_holds_sigterm():
     """The publishing rank of a torchrun job signs and renames its file inside `interrupt.held()`
     (`ReservedOutput.close`), as a single process does. A rank keeps SIGTERM's default action
@@ -176,7 +183,8 @@ def test_signing_in_a_torchrun_rank_holds_sigterm():
         print(interrupt.names(got), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
     """
     env = {**os.environ, "RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                       preexec_fn=_default_signals)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.split() == ["SIGTERM", "and", "SIGINT", "True"]
 

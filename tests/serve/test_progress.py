@@ -92,7 +92,8 @@ def test_livekit_says_it_calibrates_and_what_it_measured(tmp_path):
     pytest.importorskip("livekit.rtc", reason="the livekit extra is not installed")
     cmd = [sys.executable, "-c", SLOW, "livekit", "--model", "tiny-random", "--url", "ws://127.0.0.1:9",
            "--api-key", "k", "--api-secret", "s", "--http-port", "0", "--threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = _read_until(proc, "registering with", 180)
     finally:
