@@ -160,6 +160,7 @@ def _default_signals() -> None:
     disposition in the test process would otherwise be inherited)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a blocked mask is inherited too
 
 
 def test_signing_in_a_torchrun_rank_holds_sigterm():

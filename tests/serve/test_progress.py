@@ -93,7 +93,8 @@ def test_livekit_says_it_calibrates_and_what_it_measured(tmp_path):
     cmd = [sys.executable, "-c", SLOW, "livekit", "--model", "tiny-random", "--url", "ws://127.0.0.1:9",
            "--api-key", "k", "--api-secret", "s", "--http-port", "0", "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})))
     try:
         lines = _read_until(proc, "registering with", 180)
     finally:
