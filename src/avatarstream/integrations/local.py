@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from avatarstream.media.timeline import SampleTimeline
 from avatarstream.live.session import LiveSession, LiveSessionConfig
 from avatarstream.media.frames import AudioChunk, VideoChunk
 from avatarstream.serve.livekit.host import AvatarHost
@@ -110,27 +111,15 @@ def release_host(host: AvatarHost) -> None:
 
 
 # -- one session's output ------------------------------------------------------------------------
-class _Timeline:
+class _Timeline(SampleTimeline):
     """The session's audio (float32 at its rate) by sample index, until its frame takes it."""
 
     def __init__(self) -> None:
-        self.pieces: deque[tuple[int, np.ndarray]] = deque()
-
-    def add(self, start: int, samples: np.ndarray) -> None:
-        self.pieces.append((start, samples))
+        super().__init__(np.float32)
 
     def take(self, a: int, b: int) -> np.ndarray:
         """Samples [a, b) as int16 (zeros where none were published); drops all before b."""
-        out = np.zeros(b - a, np.float32)
-        while self.pieces:
-            start, x = self.pieces[0]
-            end = start + x.size
-            lo, hi = max(a, start), min(b, end)
-            if hi > lo:
-                out[lo - a : hi - a] = x[lo - start : hi - start]
-            if end > b:
-                break
-            self.pieces.popleft()
+        out = super().take(a, b)
         return np.clip(np.round(out * 32768.0), -32768, 32767).astype(np.int16)
 
 

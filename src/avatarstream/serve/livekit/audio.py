@@ -35,6 +35,7 @@ from collections import deque
 import numpy as np
 from livekit import rtc
 
+from avatarstream.media.timeline import SampleTimeline
 from avatarstream.media.frames import AudioChunk
 
 HIGH = rtc.AudioResamplerQuality.HIGH
@@ -251,26 +252,6 @@ def _last(spans: list[tuple[Run, int, np.ndarray]], n: int) -> list[tuple[Run, i
     return out[::-1]
 
 
-class Timeline:
+class Timeline(SampleTimeline):
     """The room's audio (int16 at the output rate), kept by sample index until its video frame
-    takes it."""
-
-    def __init__(self) -> None:
-        self.pieces: deque[tuple[int, np.ndarray]] = deque()
-
-    def add(self, start: int, samples: np.ndarray) -> None:
-        self.pieces.append((start, samples))
-
-    def take(self, a: int, b: int) -> np.ndarray:
-        """Samples [a, b) (zeros where none were placed); drops everything before b."""
-        out = np.zeros(b - a, np.int16)
-        while self.pieces:
-            start, x = self.pieces[0]
-            end = start + x.size
-            lo, hi = max(a, start), min(b, end)
-            if hi > lo:
-                out[lo - a : hi - a] = x[lo - start : hi - start]
-            if end > b:
-                break
-            self.pieces.popleft()
-        return out
+    takes it (`media.timeline.SampleTimeline`)."""
