@@ -25,4 +25,5 @@ BENCHMARKS: dict[str, str] = {
     "soak": "avatarstream.bench.soak",
     "server-soak": "avatarstream.bench.server_soak",
     "watermark": "avatarstream.bench.watermark",
+    "listening": "avatarstream.bench.listening",
 }

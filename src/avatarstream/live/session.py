@@ -12,8 +12,11 @@
 
 One media clock per session: video frame i at i / fps, audio sample s at s / sample_rate, and the
 timeline's time 0 is the wall time `origin` of `start()`. The session alternates two states:
-- idle (nothing queued): the IdleAnimator's frames (small natural motion, mouth closed) and
-  silence, rendered a little ahead of the wall clock (`lead_s`), no model call;
+- idle (nothing queued): the IdleAnimator's frames (small natural motion, mouth closed; attentive
+  motion while `listening`) and silence, rendered a little ahead of the wall clock (`lead_s`), no
+  model call; before speech the motion eases to the still reference and dissolves into the
+  model's first frame (`ease_s`, published with the first chunk), and after speech it dissolves
+  out of the model's last frame back into motion;
 - talking: queued speech starts a TalkSegment at the next frame; the engine's stages generate it
   chunk by chunk, run by the shared ChunkScheduler (batched with other sessions' chunks), and
   publish the speech with its video; when the utterance ends (or `clear_buffer` cuts it) the
@@ -74,6 +77,7 @@ class LiveSessionConfig:
     hangover_s: float = 0.6  # a pause in live speech longer than this ends the utterance
     silence_rms: float = 0.003  # streamed audio quieter than this (-50 dBFS) is a pause
     idle_group: int = 4  # idle frames rendered per step
+    ease_s: float = 0.32  # idle motion eased out to the still reference before speech starts
     idle_timeout_s: float | None = 30.0  # no speech and no keep-alive for this long: session ends
     max_out_items: int = 512  # video frames + audio chunks waiting for the frames() reader
     # (0: no frames() output at all, e.g. a server session that only publishes to its sinks)
@@ -126,6 +130,8 @@ class LiveSession:
         self._started = False
         self._ended = threading.Event()
         self._text: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._ease: tuple[int, int] | None = None  # frames easing into the next segment
+        self._last_video: np.ndarray | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,10 +236,10 @@ class LiveSession:
         self.queue.keep_alive()
 
     def listen(self, on: bool) -> None:
-        """The user started (True) or stopped (False) speaking. With no speech queued the
-        session already shows what a listener looks like (idle frames: closed mouth, small
-        motion); listening adds that the session does not time out while the user talks, and a
-        `listening` event. Speech already queued still plays: cutting it is `clear_buffer`."""
+        """The user started (True) or stopped (False) speaking. With no speech queued the idle
+        frames blend into attentive motion (nods, the head turned to the viewer, closed mouth)
+        and back; the session does not time out while the user talks; a `listening` event.
+        Speech already queued still plays: cutting it is `clear_buffer`."""
         on = bool(on)
         self.queue.keep_alive()
         if on != self.listening:
@@ -259,6 +265,11 @@ class LiveSession:
             return list(self._sinks)
 
     def put_video(self, frames: np.ndarray, start_frame: int, fps: int) -> None:
+        ease = self._ease
+        if ease is not None and start_frame == ease[1] and len(frames):  # a segment's first frames
+            self._ease = None
+            self.put_video(self.idle.frames(ease[0], ease[1] - ease[0], into=frames[0]), ease[0], fps)
+        self._last_video = frames[-1] if len(frames) else self._last_video
         if self.models.config.watermark:  # every sink gets marked frames (provenance/watermark.py)
             frames = embed(frames, start_frame)
         chunk = VideoChunk(frames=frames, start_frame=start_frame, fps=fps)
@@ -351,6 +362,8 @@ class LiveSession:
 
     def _publish_idle(self, n: int) -> None:
         start = self.frame
+        # the animator's mode follows `listening` from the next frame on
+        self.idle.set_mode("listening" if self.listening else "idle", start)
         self._align_audio()
         self.put_audio(np.zeros(n * self.spf, np.float32), start * self.spf, self.sample_rate)
         self.put_video(self.idle.frames(start, n), start, self.fps)
@@ -362,18 +375,25 @@ class LiveSession:
             self.put_audio(np.zeros(gap, np.float32), self.sample, self.sample_rate)
 
     def _start_segment(self) -> None:
-        self._align_audio()
         c = self.config
+        self._align_audio()
+        # ease the idle motion out to the still reference; the frames are made with the first
+        # chunk (put_video), dissolving into its first frame; silence meanwhile
+        start = self.frame + max(1, round(c.ease_s * self.fps))
+        self.idle.set_mode("rest", self.frame, frames=start - self.frame)
+        self._ease = (self.frame, start)
+        self.put_audio(np.zeros((start - self.frame) * self.spf, np.float32), self.sample,
+                       self.sample_rate)
         assert self.prepared is not None and self._text is not None and self.origin is not None
-        audio = UtteranceAudio(self.queue, start_sample=self.frame * self.spf, origin=self.origin,
+        audio = UtteranceAudio(self.queue, start_sample=start * self.spf, origin=self.origin,
                                lead_s=c.lead_s, packet_s=c.packet_s, hangover_s=c.hangover_s,
                                samples_per_frame=self.spf, silence_rms=c.silence_rms,
                                now=self.now)
         self.segment = TalkSegment(self.models, self.prepared, self._text[0], self._text[1], audio,
-                                   self, start_frame=self.frame)
+                                   self, start_frame=start)
         self.segments += 1
-        self._emit("speech_started", media_s=round(self.frame / self.fps, 4),
-                   frame=self.frame, segment=self.segments)
+        self._emit("speech_started", media_s=round(start / self.fps, 4), frame=start,
+                   segment=self.segments)
 
     def _end_segment(self) -> None:
         seg = self.segment
@@ -381,6 +401,11 @@ class LiveSession:
         if seg is None:
             return
         self.scheduler.wait_decoded()  # its last frames are out before anything that follows
+        ease, self._ease = self._ease, None
+        if ease is not None:  # the segment made no frame: its ease frames go out alone
+            self.put_video(self.idle.frames(ease[0], ease[1] - ease[0]), ease[0], self.fps)
+        if self._last_video is not None:  # the idle frames dissolve out of the last one
+            self.idle.fade_from(self._last_video, self.frame)
         self._align_audio()
         self._emit("speech_ended", media_s=round(self.frame / self.fps, 4), frame=self.frame,
                    segment=self.segments, interrupted=seg.audio.interrupted,
