@@ -53,9 +53,15 @@ $(EXTRA): $(SERVE)
 	touch $(EXTRA)
 
 # The layer contracts first (import-linter, pyproject.toml): a forbidden arrow fails in seconds.
+# The soak tests (marker `soak`: minutes of a live session at real time, ~0.3 of a core) run in
+# a second pytest alongside the rest rather than after it; their output follows the main run's.
 test: $(STAMP) $(REAL) $(SERVE) $(EXTRA) sysdeps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(PY) -m pytest -q
+	@rm -rf .pytest-soak; mkdir -p .pytest-soak; \
+	$(PY) -m pytest -q -m soak -p no:cacheprovider --basetemp .pytest-soak/tmp > .pytest-soak/log 2>&1 & soak=$$!; \
+	$(PY) -m pytest -q -m "not soak"; main=$$?; \
+	wait $$soak; rc=$$?; echo "--- soak tests (run alongside):"; cat .pytest-soak/log; \
+	test $$main = 0 && test $$rc = 0
 
 clean:
 	rm -rf $(VENV) out

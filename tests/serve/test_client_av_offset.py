@@ -31,6 +31,7 @@ def _speech() -> np.ndarray:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_av_offset_after_five_minutes(tmp_path):
     write_png(tmp_path / "ref.png", face_image(96))
