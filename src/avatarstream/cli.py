@@ -25,6 +25,8 @@ log = logging.getLogger("avatarstream")
 COMMANDS: dict[str, tuple[str, str | None, str]] = {
     "generate": ("avatarstream.cli_generate", "configure",
                  "reference + speech -> video of the person speaking (streamed to the file)"),
+    "batch": ("avatarstream.batch.cli", "configure", "one video per row of a CSV/JSONL/Parquet file, on Ray: "
+              "resumable, one model load per worker, a laptop or a cluster (docs/batch.md)"),
     "bench": ("avatarstream.cli_commands", "configure_bench",
               "benchmarks; each prints one JSON object on its last line"),
     "models": ("avatarstream.cli_commands", "configure_models",

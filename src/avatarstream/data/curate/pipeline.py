@@ -61,9 +61,7 @@ import logging
 import os
 import re
 import shutil
-import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +72,7 @@ from avatarstream.data.curate.normalise import Bounds
 from avatarstream.data.curate.stretch import StretchOptions, windows
 from avatarstream.data.shards import ShardWriter
 from avatarstream.errors import ConfigError, InputError, OutputError
+from avatarstream.ray_session import ray_session
 
 log = logging.getLogger(__name__)
 
@@ -148,78 +147,6 @@ def require_extras() -> None:
     missing = [m for m in ("ray", "scenedetect", "imagehash", "dlib") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"curation needs {', '.join(missing)}: pip install 'avatarstream[real,curate]'")
-
-
-def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """ConfigError unless `address` ("host:port" or "ray://host:port"; "auto" is not checked)
-    accepts a TCP connection: Ray itself retries an unreachable address for minutes."""
-    if address == "auto":
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot reach a Ray cluster at {address!r} ({e}); give host:port of its head node") from e
-
-
-@contextmanager
-def ray_session(workers: int, address: str | None) -> Iterator[None]:
-    """Ray for one call: the running instance, the cluster at `address`, or a local one with
-    `workers` CPUs that is shut down afterwards."""
-    import ray  # present: `require_extras` ran first
-
-    with _quiet_ray() as level:
-        started = False
-        if not ray.is_initialized():
-            if address:
-                check_reachable(address)
-            try:
-                if address:
-                    ray.init(address=address, log_to_driver=False, logging_level=level)
-                else:
-                    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=level)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise ConfigError(f"cannot start or reach Ray ({address or 'local'}): {e}") from e
-            started = True
-        yield from _session(ray, started, workers, address)
-
-
-@contextmanager
-def _quiet_ray() -> Iterator[int]:
-    """Ray's Python lines stay out of the terminal unless avatarstream logs at DEBUG (`-v`): its
-    INFO on every dataset, its token and progress-bar notices (the level returned, for `ray.init`;
-    Ray Data reconfigures its logger on every dataset, so through `RAY_DATA_LOG_LEVEL`). Ray's full
-    logs stay in its session folder; its errors still reach the user as exceptions; a variable the
-    user set is left as it is. Left alone: the core worker's C++ log, whose one error line on every
-    run (Ray Data's actors keep their constructor arguments in the object store, ray#53727) only
-    `RAY_BACKEND_LOG_LEVEL=fatal` hides, which would hide Ray's real errors too and prints a line
-    of its own."""
-    verbose = logging.getLogger("avatarstream").isEnabledFor(logging.DEBUG)
-    quiet = {"RAY_DATA_LOG_LEVEL": "ERROR"}
-    set_here = [] if verbose else [k for k in quiet if k not in os.environ]
-    for k in set_here:
-        os.environ[k] = quiet[k]
-    try:
-        yield logging.INFO if verbose else logging.ERROR
-    finally:
-        for k in set_here:
-            os.environ.pop(k, None)
-
-
-def _session(ray: Any, started: bool, workers: int, address: str | None) -> Iterator[None]:
-    cpus = ray.cluster_resources().get("CPU", 0)
-    if cpus < 1:
-        if started:
-            ray.shutdown()
-        raise ConfigError(f"the Ray cluster ({address or 'local'}) has no CPU to run workers on")
-    if workers > cpus:
-        log.warning("%d workers asked, Ray has %g CPUs: at most %g run at once", workers, cpus, cpus)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 Progress = Callable[[str], None]  # one line of what curate is doing (the CLI prints it on stderr)
