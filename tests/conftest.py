@@ -55,7 +55,10 @@ def config_dir(tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("config")
     os.environ["AVATARSTREAM_CONFIG_DIR"] = str(d)
-    for key in ("AVATARSTREAM_SIGN_CERT", "AVATARSTREAM_SIGN_KEY"):
+    # compiled decode packages (models/aot.py): none from the user's cache, so every run decodes
+    # as the test expects (eager unless a test builds a package into its own folder)
+    os.environ["AVATARSTREAM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    for key in ("AVATARSTREAM_SIGN_CERT", "AVATARSTREAM_SIGN_KEY", "AVATARSTREAM_VAE_BACKEND"):
         os.environ.pop(key, None)
     return d
 

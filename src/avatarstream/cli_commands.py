@@ -123,6 +123,9 @@ def configure_models(p: argparse.ArgumentParser, rest: list[str]) -> None:
     pe.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     pe.add_argument("--json", action="store_true", help="print only the JSON line")
     pe.set_defaults(func=cmd_models_encode_text)
+    from avatarstream import cli_compile  # `models compile`: its own module
+
+    cli_compile.add_arguments(_sub(msub, "compile", cli_compile.HELP))
     from avatarstream.weights.tiny_cli import add_arguments as add_tiny  # `models tiny`: its own module
 
     add_tiny(msub)

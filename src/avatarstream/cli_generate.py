@@ -253,8 +253,18 @@ def _generate_here(args: argparse.Namespace, reference, scene, reader, sinks) ->
         if bar is not None:
             bar.close()
     result = summary.as_dict()
-    result.update(model=args.model, strategy=cfg.strategy, steps=cfg.steps, threads=torch.get_num_threads())
+    result.update(model=args.model, strategy=cfg.strategy, steps=cfg.steps, threads=torch.get_num_threads(),
+                  vae_decode=vae_decode_used(models))
     return result
+
+
+def vae_decode_used(models) -> str:  # type: ignore[no-untyped-def]
+    """How the run decoded its steady chunks: the backend's name where one of its graphs ran
+    ("aoti": a compiled package from `models compile`), else "eager"."""
+    backend = getattr(getattr(models.vae, "model", None), "decode_backend", None)
+    if backend is None or not any(r is not None for r in backend.runners.values()):
+        return "eager"
+    return "aoti" if backend.kind == "auto" else backend.kind
 
 
 def _generate_tpp(args: argparse.Namespace, overrides: dict, out: Path,

@@ -8,7 +8,8 @@ emulation. So every "use bf16" default in the project asks `bf16_is_fast` first.
 `AVATARSTREAM_BF16=1` / `=0` forces the answer (benchmarks, or a CPU whose flags we misread).
 
 `AVATARSTREAM_VAE_BACKEND` picks how the causal VAE decodes a stream's steady chunks
-(`models/vae_backend.py`): eager (default), compile, openvino or onnx.
+(`models/vae_backend.py`): auto (default: a compiled package when one is on disk), eager, aoti,
+compile, openvino or onnx.
 """
 
 from __future__ import annotations
@@ -50,14 +51,16 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
 
 
 def vae_backend() -> str:
-    """The causal VAE's streaming-decode backend: `AVATARSTREAM_VAE_BACKEND`, else "eager".
+    """The causal VAE's streaming-decode backend: `AVATARSTREAM_VAE_BACKEND`, else "auto".
 
-    Eager stays the default: `compile` decodes a steady chunk in ≈ 0.65× the time on one core
-    (fp32 and bf16) but pays ≈ 30 s of compilation per process and chunk shape, more than a
-    short `generate` saves; `openvino` (≈ 0.8×) needs a package we do not install."""
+    "auto" decodes a stream's steady chunks with the ahead-of-time compiled package of this
+    model and chunk shape when one is on disk (`avatarstream compile` builds them: ≈ 40 s a shape,
+    once per machine; loading takes milliseconds) and eagerly otherwise: building one inside a
+    short `generate` costs more than it saves. "eager" is the switch back (`models/vae_backend.py`
+    lists every backend and its measured speed)."""
     from avatarstream.models.vae_backend import BACKENDS
 
-    kind = os.environ.get("AVATARSTREAM_VAE_BACKEND", "").strip().lower() or "eager"
+    kind = os.environ.get("AVATARSTREAM_VAE_BACKEND", "").strip().lower() or "auto"
     if kind not in BACKENDS:
         raise ConfigError(f"AVATARSTREAM_VAE_BACKEND={kind!r}: use one of {', '.join(BACKENDS)}")
     return kind

@@ -10,7 +10,14 @@ computation whatever the backend, up to float rounding.
 
 Backends (`AVATARSTREAM_VAE_BACKEND`, read by `hardware.vae_backend`):
 
-- `eager` (default): `decode_step` as written.
+- `auto` (default): the `aoti` package of this model, chunk shape and CPU when one was built
+  before (`avatarstream compile`, or any run with `aoti`), loaded in milliseconds; else eager.
+  It never builds one itself.
+- `eager`: `decode_step` as written.
+- `aoti`: an AOTInductor package (`models/aot.py`: `torch.export`, compiled with `freezing`,
+  kept on disk, one per shape); built on first use (≈ 40 s of one core for the bundled model,
+  once per machine), loaded from disk afterwards. Under bf16 autocast the package is the step
+  with bf16 weights and inputs (autocast does not export); fp32 otherwise.
 - `compile`: `torch.compile` (inductor, `freezing` on: weights folded and prepacked for oneDNN),
   one graph per (shape, autocast dtype), `dynamic=False`, `fullgraph=True`; a later chunk of the
   same shape never recompiles. Compiling costs ≈ 30 s of one core per graph on first use.
@@ -21,13 +28,15 @@ Backends (`AVATARSTREAM_VAE_BACKEND`, read by `hardware.vae_backend`):
 
 Measured on one thread of a shared AVX512-bf16 CPU, the bundled model's steady chunk
 ([1, 16, 6, 32, 32] latents -> 24 frames at 256×256), ratios of times taken in one process:
-compile 0.67 (fp32) / 0.64 (bf16) of eager; OpenVINO 0.79 / 0.80; ONNX Runtime 0.87 (fp32).
-Frames within 1 grey level of eager in fp32, and within 4 under bf16 (where bf16 eager itself
-differs from fp32 eager by up to 3); `tests/models/test_vae_backend.py` holds the tolerances.
+compile 0.67 (fp32) / 0.64 (bf16) of eager; OpenVINO 0.79 / 0.80; ONNX Runtime 0.87 (fp32);
+aoti 0.74 (fp32 and bf16, on the 2 threads of a loaded machine). Frames within 1 grey level of
+eager in fp32, and within 4 under bf16 (where bf16 eager itself differs from fp32 eager by up to
+3; the aoti bf16 package 3.5); `tests/models/test_vae_backend.py` holds the tolerances.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import tempfile
 from pathlib import Path
@@ -37,11 +46,14 @@ import torch
 from torch import nn
 
 from avatarstream.cache.conv import ConvCache
+from avatarstream.models import aot
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("eager", "compile", "openvino", "onnx")
-MAX_SHAPES = 2  # graphs per backend: one chunk length, e.g. one session and a batch of two; others eager
+BACKENDS = ("auto", "eager", "aoti", "compile", "openvino", "onnx")
+MAX_SHAPES = 2  # graphs built per backend: one chunk length, e.g. one session and a batch of two; others eager
+_SOURCES = [Path(__file__).with_name(n) for n in ("vae.py", "vae_blocks.py", "vae_backend.py")] + [
+    Path(__file__).parents[1] / "cache" / "conv.py"]
 
 
 class StreamStep(nn.Module):
@@ -69,7 +81,8 @@ class DecodeBackend:
         if kind not in BACKENDS:
             raise ValueError(f"VAE backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
         self.vae, self.kind = vae, kind
-        self.runners: dict[tuple, Runner] = {}
+        self.runners: dict[tuple, Runner | None] = {}  # None: this shape decodes eagerly
+        self.built: list[int] = []  # chunk lengths of the graphs built (compiled or exported) here
 
     def decode_step(self, z: torch.Tensor, cache: ConvCache) -> torch.Tensor | None:
         """The clamped frames of a steady-state chunk (cache updated), or None where the caller
@@ -79,17 +92,41 @@ class DecodeBackend:
         keys = sorted(cache.frames)
         bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         sig = (tuple(z.shape), z.device.type, bf16, tuple((k, tuple(cache.frames[k].shape)) for k in keys))
-        run = self.runners.get(sig)
+        if sig not in self.runners:
+            self.runners[sig] = self._runner(sig, z, cache, keys, bf16)
+        run = self.runners[sig]
         if run is None:
-            # one chunk length (the session's; a stream's short tail chunk decodes eagerly rather
-            # than paying a compile), at most MAX_SHAPES batch sizes, CPU only
-            if (len(self.runners) >= MAX_SHAPES or z.device.type != "cpu"
-                    or any(s[0][2] != z.shape[2] for s in self.runners)):
-                return None
-            run = self.runners[sig] = self._prepare(z, cache, keys, bf16)
+            return None
         out = run(z, *[cache.frames[k] for k in keys])
         cache.frames = dict(zip(keys, out[1:]))
         return out[0]
+
+    def _runner(self, sig: tuple, z: torch.Tensor, cache: ConvCache, keys: list[str], bf16: bool) -> Runner | None:
+        if z.device.type != "cpu":
+            return None
+        if self.kind in ("auto", "aoti"):
+            key = aot.package_key(self.vae, _SOURCES, f"vae decode step {sig}")
+            run = aot.load(key)
+            if run is not None and z.shape[2] not in self.built:
+                self.built.append(z.shape[2])  # the session's chunk length: a tail is not built
+            if run is None and self.kind == "aoti" and self._may_build(z):
+                log.info("VAE backend aoti: compiling the decode step for latents %s%s (once per "
+                         "machine)", tuple(z.shape), " (bf16)" if bf16 else "")
+                with torch.inference_mode(False):  # bf16 copies that export can trace
+                    vae = copy.deepcopy(self.vae, {id(self): self}).to(torch.bfloat16) if bf16 else self.vae
+                step = StreamStep(vae, keys).eval()
+                dtype = torch.bfloat16 if bf16 else torch.float32
+                run = aot.build(key, step, (z.to(dtype), *[cache.frames[k].to(dtype) for k in keys]))
+            return None if run is None else _cast_inputs(run, torch.bfloat16 if bf16 else torch.float32)
+        # one chunk length (the session's; a stream's short tail chunk decodes eagerly rather
+        # than paying a compile), at most MAX_SHAPES batch sizes
+        return self._prepare(z, cache, keys, bf16) if self._may_build(z) else None
+
+    def _may_build(self, z: torch.Tensor) -> bool:
+        if len(self.built) >= MAX_SHAPES or any(t != z.shape[2] for t in self.built):
+            return False
+        self.built.append(z.shape[2])
+        return True
 
     def _prepare(self, z: torch.Tensor, cache: ConvCache, keys: list[str], bf16: bool) -> Runner:
         step = StreamStep(self.vae, keys).eval()
@@ -106,6 +143,12 @@ class DecodeBackend:
         if self.kind == "onnx":
             return _onnx_runtime(buf)
         return _openvino(buf, bf16)
+
+
+def _cast_inputs(run: Runner, dtype: torch.dtype) -> Runner:
+    """`run` with every input cast to the package's dtype (the stream's first, eager chunk leaves
+    cache entries of mixed dtypes under autocast)."""
+    return lambda *a: run(*[t.to(dtype) for t in a])
 
 
 def _export_onnx(step: StreamStep, args: tuple) -> bytes:

@@ -68,7 +68,12 @@ class CausalConv3d(nn.Conv3d):
 
 class RMSNorm(nn.Module):
     """Per-position RMS norm over channels (no mixing across time or space).
-    x [B, C, T, H, W] -> same shape."""
+    x [B, C, T, H, W] -> same shape.
+
+    `F.normalize(x, dim=1)`'s arithmetic, x / max(‖x‖, eps) · √C, with the norm written as
+    √(Σx²) over channels: the library's norm kernel over a non-innermost dim was 1.3-2.5x slower in
+    fp32 and up to 7x in bf16 on decoder shapes (the norms were 15-24 % of a decode chunk); the two
+    differ by float rounding (≤ 2e-7 relative in fp32). gamma and bias in one fused multiply-add."""
 
     def __init__(self, channels: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -79,8 +84,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (1, -1) + (1,) * (x.dim() - 2)
-        y = F.normalize(x, dim=1, eps=self.eps) * self.scale
-        return y * self.gamma.view(shape).to(y.dtype) + self.bias.view(shape).to(y.dtype)
+        y = x * (self.scale / x.square().sum(1, keepdim=True).sqrt().clamp_min(self.eps))
+        return torch.addcmul(self.bias.view(shape).to(y.dtype), y, self.gamma.view(shape).to(y.dtype))
 
 
 def per_frame(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
