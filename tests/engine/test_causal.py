@@ -224,8 +224,9 @@ def test_causal_pipeline_publishes_every_frame_in_blocks(seconds):
     summary, sink = run_causal(seconds)
     n = round(seconds * 25)
     assert summary.frames == len(sink.frames) == n
-    # block 0: latents 0-2 = 9 frames; then 12 frames (3 latents) per block
-    assert sink.chunk_starts == [s for s in [0] + list(range(9, n, 12)) if s < n]
+    # block 0: latents 0-2 = 9 frames, its first frame published alone first; then 12 frames
+    # (3 latents) per block
+    assert sink.chunk_starts == [s for s in [0, 1] + list(range(9, n, 12)) if s < n]
     assert "causal_denoise" in summary.stage_ms and "appearance_anchor" not in summary.stage_ms
 
 

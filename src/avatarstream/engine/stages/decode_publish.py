@@ -77,12 +77,21 @@ class DecodeJob:
         for group in self.groups:
             caches = [e.state.vae_cache for e in group]
             cache = ConvCache.stack(caches)
-            frames = self.vae.call("decode_step", torch.cat([e.hr for e in group], 0), cache)
+            hr = torch.cat([e.hr for e in group], 0)
+            # A stream's first chunk decodes its first latent (one frame) alone and publishes it
+            # before the rest: the first frame is out a whole chunk's decode sooner. The VAE's
+            # streaming cache makes the two calls the one call's computation (float rounding).
+            parts = hr.split([1, hr.shape[2] - 1], dim=2) if group[0].start == 0 and hr.shape[2] > 1 else (hr,)
+            done = 0
+            for part in parts:
+                frames = self.vae.call("decode_step", part, cache)
+                for i, e in enumerate(group):
+                    n = max(0, min(e.frames - done, frames.shape[2]))
+                    if n:
+                        e.state.publisher.put_video(to_uint8_frames(frames[i, :, :n]), e.start + done, self.fps)
+                        e.state.frames_published = e.start + done + n
+                done += frames.shape[2]
             ConvCache.split(cache, caches)
-            for i, e in enumerate(group):
-                n = max(0, min(e.frames, frames.shape[2]))
-                e.state.publisher.put_video(to_uint8_frames(frames[i, :, :n]), e.start, self.fps)
-                e.state.frames_published = e.start + n
 
 
 class DecodePublishStage(Stage):
