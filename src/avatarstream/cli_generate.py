@@ -85,6 +85,11 @@ def configure(p: argparse.ArgumentParser, rest: list[str] | None = None) -> None
                         "on first use, reported as untrusted)")
     p.add_argument("--sign-key", metavar="PEM", default=None,
                    help="the unencrypted private key of --sign-cert (default: $AVATARSTREAM_SIGN_KEY)")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   choices=["default", "reduce-overhead", "max-autotune"],
+                   help="torch.compile the DiT's denoising step (inductor; one graph per chunk shape, "
+                   "compiled on first use: tens of seconds). For GPUs: pays on real models there; "
+                   "reduce-overhead adds CUDA graphs. On a CPU it rarely pays (docs/real-models.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: all cores; causal with the decode on its own "
                         "thread: all but one, see hardware.generation_threads)")
@@ -148,6 +153,10 @@ def _overrides(c, args) -> dict:  # type: ignore[no-untyped-def]
 def _configure(models, args) -> None:  # type: ignore[no-untyped-def]
     for k, v in _overrides(models.config, args).items():
         setattr(models.config, k, v)
+    if getattr(args, "compile", None):
+        from avatarstream.engine.module import COMPILE_MODES, DIT_STEP_METHODS
+
+        models.dit.compile(DIT_STEP_METHODS, COMPILE_MODES[args.compile])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -165,6 +174,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     check_device(args.device)
+    if args.compile and (args.workers is not None or launched_by_torchrun()):
+        raise ConfigError("--compile runs the model in this one process; drop it with --workers or torchrun")
     # no --model: the bundled model, or its causal student for --strategy causal / --workers
     args.model = resolve_model(args.model, causal=args.strategy == "causal" or args.workers is not None)
     out = Path(args.out)

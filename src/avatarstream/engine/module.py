@@ -10,13 +10,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+
+# The DiT methods a chunk loop calls every denoising step (our prefix/interp DiT and FlashHead:
+# forward; our causal student: forward_causal_block; LiveAvatar: forward_block): what
+# `--compile` compiles.
+DIT_STEP_METHODS = ("forward", "forward_causal_block", "forward_block")
+COMPILE_MODES = {"default": None, "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune"}
 
 
 class Module:
@@ -38,6 +45,7 @@ class Module:
         self.on_device = False
         self.forward_seconds = 0.0
         self.calls = 0
+        self.compiled: dict[str, Callable[..., Any]] = {}  # method -> its torch.compile'd version
         self.onload()
 
     # -- weights ---------------------------------------------------------------------------------
@@ -70,8 +78,19 @@ class Module:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `model.<method>(*args, **kwargs)` on the device, timed, without autograd."""
-        fn = self.model if method == "forward" else getattr(self.model, method)
+        fn = self.compiled.get(method) or (self.model if method == "forward" else getattr(self.model, method))
         return self.run(fn, *args, **kwargs)
+
+    def compile(self, methods: Sequence[str], mode: str | None = None) -> list[str]:
+        """`torch.compile` (inductor, `dynamic=False`: each chunk shape one graph, compiled on its
+        first call) the given methods where the model has them; `mode` is torch.compile's
+        ("reduce-overhead": CUDA graphs on a GPU). Returns the methods compiled."""
+        done = []
+        for m in methods:
+            if hasattr(self.model, m):
+                self.compiled[m] = torch.compile(getattr(self.model, m), dynamic=False, mode=mode)
+                done.append(m)
+        return done
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a callable that uses this module's model (e.g. a streaming wrapper), timed."""
