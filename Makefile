@@ -53,8 +53,9 @@ $(EXTRA): $(SERVE)
 	touch $(EXTRA)
 
 # The layer contracts first (import-linter, pyproject.toml): a forbidden arrow fails in seconds.
-# The soak tests (marker `soak`: minutes of a live session at real time, ~0.3 of a core) run in
-# a second pytest alongside the rest rather than after it; their output follows the main run's.
+# The soak tests (marker `soak`: 5 minutes of a live session at real time on ~0.3 of a core, one
+# 3-minute compile) run in a second pytest alongside the rest rather than after it; their output
+# follows the main run's.
 test: $(STAMP) $(REAL) $(SERVE) $(EXTRA) sysdeps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	@rm -rf .pytest-soak; mkdir -p .pytest-soak; \

@@ -1,5 +1,5 @@
 """`generate --compile`: the DiT's denoising step through torch.compile (inductor) against eager,
-for our tiny model and the tiny FlashHead folder in the official layout.
+for our tiny model and the tiny FlashHead and LiveAvatar folders in the official layout.
 
 Tolerance: frames within 2 grey levels (fp32; inductor fuses and reorders float sums, measured
 max 1). A second stream of the same shapes compiles nothing more: no recompile in a session.
@@ -16,7 +16,7 @@ from avatarstream.engine.module import DIT_STEP_METHODS
 from avatarstream.engine.pipeline import Pipeline
 from avatarstream.eval.benchmark import CollectSink
 from avatarstream.registry import load_model
-from avatarstream.weights.flashhead_folder import write_official_folder
+from avatarstream.weights import flashhead_folder, liveavatar_folder
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")]
@@ -32,12 +32,22 @@ def _frames(models) -> np.ndarray:
     return np.stack(sink.frames).astype(np.int16)
 
 
-@pytest.mark.parametrize("family", ["tiny-random", "flashhead"])
+def _name(family: str, tmp_path) -> str:  # noqa: ANN001
+    if family == "flashhead":
+        return f"flashhead-pro:{flashhead_folder.write_official_folder(tmp_path / 'SoulX-FlashHead-1_3B')}"
+    if family == "liveavatar":
+        return f"liveavatar:{liveavatar_folder.write_official_folder(tmp_path / 'ckpt')}"
+    return family
+
+
+# LiveAvatar's block step compiles in ≈ 3 minutes of one core here: it runs in `make test`'s
+# second pytest, alongside the rest (marker soak)
+@pytest.mark.parametrize("family", ["tiny-random", "flashhead",
+                                    pytest.param("liveavatar", marks=pytest.mark.soak)])
 def test_compiled_dit_matches_eager_and_does_not_recompile(family, tmp_path):
     from torch._dynamo.utils import counters
 
-    name = "tiny-random" if family == "tiny-random" else \
-        f"flashhead-pro:{write_official_folder(tmp_path / 'SoulX-FlashHead-1_3B')}"
+    name = _name(family, tmp_path)
     eager = _frames(load_model(name, bf16=False))
     models = load_model(name, bf16=False)
     assert "forward" in models.dit.compile(DIT_STEP_METHODS)
