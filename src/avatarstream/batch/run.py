@@ -85,6 +85,7 @@ class Renderer:
         if device == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
         self.models: Any = None  # the ModelSet of the last model asked for
+        self.lora: str | None = None  # an adapter merged into every model loaded (the server's --lora)
         self.credentials: dict[str, Any] = {}
         self.references: OrderedDict[tuple, Any] = OrderedDict()
 
@@ -129,7 +130,7 @@ class Renderer:
             from avatarstream.registry import load_model
 
             self.models = None  # the old one goes before the new one loads (GPU memory)
-            self.models = load_model(name, device=self.device)
+            self.models = load_model(name, device=self.device, lora=self.lora)
         return self.models
 
     def _reference(self, path: str, cfg: Any) -> Any:
@@ -145,13 +146,8 @@ class Renderer:
 
     def render(self, job: Job, speech: bytes, path: Path) -> tuple[float, bool]:
         """Render one row to `path` as `generate` writes its --out; (seconds of video, signed)."""
-        from avatarstream.engine.pipeline import Pipeline
-        from avatarstream.provenance.credentials import credentials_for
-        from avatarstream.publish.base import ending, generate_outputs
-
         models = self._models(job.model)
         cfg = row_config(models.config, job)
-        models = dataclasses.replace(models, config=cfg)
         reference = self._reference(job.reference, cfg)
         if job.audio is not None:
             from avatarstream.media.audio import AudioReader
@@ -160,15 +156,25 @@ class Renderer:
                                                max_seconds=MAX_AUDIO_SECONDS))
         else:
             audio = _pieces(np.frombuffer(speech, np.float32))
-        if job.model not in self.credentials:
-            self.credentials[job.model] = credentials_for(job.model)
+        media_s, signed = self.write(dataclasses.replace(models, config=cfg), reference.frames, audio, path)
+        return media_s, bool(signed and signed.signed)
+
+    def write(self, models: Any, frames: Any, audio: Iterator, path: Path) -> tuple[float, Any]:
+        """Render `frames` speaking `audio` with `models` (its config as is) to `path`, written
+        and signed as `generate` writes its --out; (seconds of video, the sink's `Signed`)."""
+        from avatarstream.engine.pipeline import Pipeline
+        from avatarstream.provenance.credentials import credentials_for
+        from avatarstream.publish.base import ending, generate_outputs
+
+        cfg = models.config
+        if models.name not in self.credentials:
+            self.credentials[models.name] = credentials_for(models.name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with ending(sinks := generate_outputs(path, credentials=self.credentials[job.model])):
+        with ending(sinks := generate_outputs(path, credentials=self.credentials[models.name])):
             for s in sinks:
                 s.open(cfg.out_hw[1], cfg.out_hw[0], cfg.fps, cfg.sample_rate)
-            summary = Pipeline(models).run(reference.frames, audio, sinks,
-                                           max_audio_seconds=MAX_AUDIO_SECONDS)
-        return summary.duration_s, bool(sinks[0].signed and sinks[0].signed.signed)
+            summary = Pipeline(models).run(frames, audio, sinks, max_audio_seconds=MAX_AUDIO_SECONDS)
+        return summary.duration_s, sinks[0].signed
 
 
 def row_config(base: Any, job: Job) -> Any:

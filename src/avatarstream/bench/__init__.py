@@ -26,4 +26,5 @@ BENCHMARKS: dict[str, str] = {
     "server-soak": "avatarstream.bench.server_soak",
     "watermark": "avatarstream.bench.watermark",
     "listening": "avatarstream.bench.listening",
+    "batch": "avatarstream.bench.batch",
 }

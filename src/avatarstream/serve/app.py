@@ -35,9 +35,10 @@ from aiohttp import web
 
 from avatarstream.engine.config import ModelSet, PipelineConfig
 from avatarstream.errors import AvatarStreamError
+from avatarstream.batch.remote import RayRender, RayRenders
 from avatarstream.serve.avatars import AvatarStore, UnsupportedUploadError
-from avatarstream.serve.common import (AVATARS, CONFIG, MODELS, RECORDS, RENDERS, SCHEDULER, SESSIONS, TTS,
-                                       UPLOADS, api_key, error, read_body)
+from avatarstream.serve.common import (AVATARS, CONFIG, MODELS, RAY_RENDERS, RECORDS, RENDERS, SCHEDULER,
+                                       SESSIONS, TTS, UPLOADS, api_key, error, read_body)
 from avatarstream.serve.config import ServerConfig
 from avatarstream.serve.openapi import openapi_schema
 from avatarstream.serve.render_records import RenderRecords
@@ -200,6 +201,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     await app[SESSIONS].close_all()
     await asyncio.to_thread(sched.stop)
+    if RAY_RENDERS in app:
+        await asyncio.to_thread(app[RAY_RENDERS].close)
     app[AVATARS].close()
     app[RECORDS].close()
 
@@ -208,8 +211,9 @@ async def _close_sessions(app: web.Application) -> None:
     await app[SESSIONS].close_all()
 
 
-def make_app(models: ModelSet, config: ServerConfig) -> web.Application:
-    """The aiohttp application serving `models` with state under `config.data_dir`."""
+def make_app(models: ModelSet, config: ServerConfig, remote_renders: RayRenders | None = None) -> web.Application:
+    """The aiohttp application serving `models` with state under `config.data_dir`; its renders
+    on `remote_renders` (a Ray actor pool: `serve --batch-ray`) when given."""
     # the server's own copy of the model set (same networks), with the live chunk length
     models = dataclasses.replace(models, config=dataclasses.replace(
         models.config, chunk=live_chunk(models.config, config.seconds_per_chunk)))
@@ -231,6 +235,13 @@ def make_app(models: ModelSet, config: ServerConfig) -> web.Application:
 
     renders = app[RENDERS] = RenderManager(config.data_dir, models, on_finish=finished,
                                            max_seconds=limits.max_render_seconds)
+    if remote_renders is not None:
+        def finished_on_ray(job: RayRender) -> None:  # its dispatcher thread: as `finished`
+            records.finish(job)
+            remote_renders.forget(job)
+
+        remote_renders.on_finish = finished_on_ray
+        app[RAY_RENDERS] = remote_renders
     app[TTS] = TextToSpeech(piper_voice=config.piper_voice, max_chars=limits.max_text_chars)
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_close_sessions)  # before the server waits for open handlers

@@ -61,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--piper-voice", default=None, metavar="MODEL.onnx",
                    help="a piper voice model for the 'piper' TTS voice (needs avatarstream[piper])")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--batch-ray", default=None, metavar="ADDRESS",
+                   help="render POST /v1/renders jobs on the Ray cluster at ADDRESS (HEAD:6379, "
+                        "or auto) instead of on this server's device, which live sessions keep "
+                        "(docs/batch.md); --data-dir must be at the same path on its nodes")
+    p.add_argument("--batch-workers", type=int, default=1, metavar="N",
+                   help="with --batch-ray: renderers on the cluster, each with the model loaded (default 1)")
     add_limit_arguments(p)
 
 
@@ -102,17 +108,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         piper_voice=args.piper_voice, batching=not args.no_batching,
         seconds_per_chunk=args.seconds_per_chunk,
         rtmp_allow=_rtmp_allow(args.rtmp_allow),
+        batch_ray=args.batch_ray, batch_workers=args.batch_workers,
     )
     size = None if args.size is None else parse_size(args.size)
     if size is not None:  # checked before any weight is read: the multiple the model needs
         model_spec_for(model).pipeline().with_size(*size)
+    remote = None
+    if args.batch_ray is not None:  # before the local model: an unreachable cluster fails at once
+        from avatarstream.batch.remote import RayRenders
+
+        say(f"starting {args.batch_workers} renderer(s) of {model} on the Ray cluster at {args.batch_ray}...")
+        pipe = model_spec_for(model).pipeline()
+        remote = RayRenders.connect(args.batch_ray, model=model, device=args.device,
+                                    workers=args.batch_workers, size=size,
+                                    watermark=not args.no_watermark, lora=args.lora,
+                                    sample_rate=pipe.sample_rate, fps=pipe.fps,
+                                    max_seconds=config.limits.max_render_seconds)
     say(f"loading model {model} on {args.device}...")
     models = load_model(model, device=args.device, lora=args.lora)
     if size is not None:
         models = dataclasses.replace(models, config=models.config.with_size(*size))
     if args.no_watermark:
         models = dataclasses.replace(models, config=dataclasses.replace(models.config, watermark=False))
-    app = make_app(models, config)
+    app = make_app(models, config, remote_renders=remote)
     say("measuring how many live sessions this machine keeps in real time (a minute or so; "
         "--max-sessions N skips it)..." if args.max_sessions is None else "warming up the model...")
     serve_app(app, args.host, args.port, on_listening=lambda: announce(app, args.host, args.port, config))

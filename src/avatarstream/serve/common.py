@@ -9,6 +9,7 @@ import logging
 
 from aiohttp import web
 
+from avatarstream.batch.remote import RayRenders
 from avatarstream.engine.config import ModelSet
 from avatarstream.errors import InputError
 from avatarstream.live.renders import RenderManager
@@ -29,6 +30,8 @@ SESSIONS: web.AppKey[SessionManager] = web.AppKey("sessions", SessionManager)
 SCHEDULER: web.AppKey[ChunkScheduler] = web.AppKey("scheduler", ChunkScheduler)
 RENDERS: web.AppKey[RenderManager] = web.AppKey("renders", RenderManager)
 RECORDS: web.AppKey[RenderRecords] = web.AppKey("records", RenderRecords)
+# present with `serve --batch-ray`: the renders go to Ray (batch/remote.py), not to RENDERS
+RAY_RENDERS: web.AppKey[RayRenders] = web.AppKey("ray_renders", RayRenders)
 TTS: web.AppKey[TextToSpeech] = web.AppKey("tts", TextToSpeech)
 MODELS: web.AppKey[ModelSet] = web.AppKey("models", ModelSet)
 UPLOADS: web.AppKey[asyncio.Semaphore] = web.AppKey("uploads", asyncio.Semaphore)

@@ -28,3 +28,7 @@ class ServerConfig:
     # may name (serve/rtmp_gate.py); the default "*" is any host on a public address: loopback,
     # private and link-local ones only when named
     rtmp_allow: tuple[str, ...] = ("*",)
+    # the address of a Ray cluster that renders POST /v1/renders jobs (batch/remote.py), with this
+    # many renderers; None: the server renders them itself
+    batch_ray: str | None = None
+    batch_workers: int = 1

@@ -1,7 +1,8 @@
 """Render routes: avatar + speech -> an MP4 file, with progress (non-live use).
 
     POST   /v1/renders                 JSON {"avatar_id", "text", "voice"?}, or the speech itself
-                                       (audio/* body, any format PyAV reads) with ?avatar_id=
+                                       (audio/* body, any format PyAV reads) with ?avatar_id=;
+                                       rendered here, or on Ray with `serve --batch-ray`
     GET    /v1/renders/{id}            {state, progress, frames, total_frames, fps, error}
     GET    /v1/renders/{id}/output     the MP4 (fragmented: playable while it is written)
     DELETE /v1/renders/{id}
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from aiohttp import web
 
+from avatarstream.batch.remote import RayRender
 from avatarstream.errors import AvatarStreamError, InputError
-from avatarstream.serve.common import (AVATARS, MODELS, RECORDS, RENDERS, SCHEDULER, TTS, UPLOADS,
-                                       error, read_body, read_json)
+from avatarstream.serve.common import (AVATARS, MODELS, RAY_RENDERS, RECORDS, RENDERS, SCHEDULER, TTS,
+                                       UPLOADS, error, read_body, read_json)
 from avatarstream.serve.avatars import UnsupportedUploadError, key_fingerprint, upload_type
 from avatarstream.serve.guards import caller_key, resolved
 
@@ -90,16 +92,25 @@ async def post_render(request: web.Request, key: str) -> web.Response:
                 if isinstance(data, web.Response):
                     return data
                 audio = await asyncio.to_thread(decode_audio, data, ctype, renders.max_seconds)
-        prepared = await asyncio.to_thread(store.prepared, avatar, request.app[MODELS])
-        job = await asyncio.to_thread(renders.create, key_fingerprint(key), prepared, audio)
+        ray = request.app.get(RAY_RENDERS)
+        if ray is not None:  # on the Ray cluster (batch/remote.py): the avatar's frames go there
+            frames = await asyncio.to_thread(store.frames, avatar)
+            job: RenderJob | RayRender = await asyncio.to_thread(
+                ray.create, key_fingerprint(key), frames, audio, request.app[RECORDS].dir)
+        else:
+            prepared = await asyncio.to_thread(store.prepared, avatar, request.app[MODELS])
+            job = await asyncio.to_thread(renders.create, key_fingerprint(key), prepared, audio)
     except AvatarStreamError as e:
         return error(415 if isinstance(e, UnsupportedUploadError) else 400, str(e))
     request.app[RECORDS].add(job)  # before it can finish
-    request.app[SCHEDULER].add_job(job)
+    if isinstance(job, RayRender):
+        ray.start(job)
+    else:
+        request.app[SCHEDULER].add_job(job)
     return web.json_response(job.as_dict(), status=202)
 
 
-Found = tuple[str, "RenderJob | None", dict]  # (id, the job while this process runs it, state)
+Found = tuple[str, "RenderJob | RayRender | None", dict]  # (id, the job while in memory, state)
 
 
 async def _job(request: web.Request) -> Found | web.Response:
@@ -111,7 +122,8 @@ async def _job(request: web.Request) -> Found | web.Response:
     job_id, owner = request.match_info["id"], key_fingerprint(key)
     if not _ID.match(job_id):
         return error(404, "no such render")
-    job = request.app[RENDERS].get(owner, job_id)
+    ray = request.app.get(RAY_RENDERS)
+    job = request.app[RENDERS].get(owner, job_id) if ray is None else ray.get(owner, job_id)
     info = job.as_dict() if job is not None else request.app[RECORDS].get(owner, job_id)
     return error(404, "no such render") if info is None else (job_id, job, info)
 
@@ -137,7 +149,9 @@ async def get_render_output(request: web.Request, found: Found) -> web.StreamRes
 @resolved(_job)
 async def delete_render(request: web.Request, found: Found) -> web.Response:
     job_id, job, _ = found
-    if job is not None:
+    if isinstance(job, RayRender):
+        request.app[RAY_RENDERS].remove(job)  # a running one's file is removed when it ends
+    elif job is not None:
         request.app[RENDERS].remove(job)  # a running or finishing job is cancelled, its file removed by it
     request.app[RECORDS].remove(job_id, file=job is None)  # never under a job still writing or signing it
     return web.Response(status=204)
