@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--piper-voice", default=None, metavar="MODEL.onnx",
                    help="a piper voice model for the 'piper' TTS voice (needs avatarstream[piper])")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   choices=["default", "reduce-overhead", "max-autotune"],
+                   help="torch.compile the DiT's denoising step (paid during the start-up calibration; "
+                   "for GPUs, reduce-overhead adds CUDA graphs; on a CPU it rarely pays)")
     p.add_argument("--batch-ray", default=None, metavar="ADDRESS",
                    help="render POST /v1/renders jobs on the Ray cluster at ADDRESS (HEAD:6379, "
                         "or auto) instead of on this server's device, which live sessions keep "
@@ -126,6 +130,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     max_seconds=config.limits.max_render_seconds)
     say(f"loading model {model} on {args.device}...")
     models = load_model(model, device=args.device, lora=args.lora)
+    if args.compile:
+        from avatarstream.engine.module import COMPILE_MODES, DIT_STEP_METHODS
+
+        models.dit.compile(DIT_STEP_METHODS, COMPILE_MODES[args.compile])
     if size is not None:
         models = dataclasses.replace(models, config=models.config.with_size(*size))
     if args.no_watermark:
