@@ -99,7 +99,8 @@ def _steady_chunks(models, config, batch: int) -> None:  # type: ignore[no-untyp
         b, zc, t_, hh, ww = shape
         cache = vae.new_cache("decode")
         models.vae.call("decode_step", torch.zeros(batch, zc, 1, hh, ww), cache)
-        models.vae.call("decode_step", torch.zeros(batch, zc, t_, hh, ww), cache)
+        for _ in range(2):  # the backend takes over from a stream's third call
+            models.vae.call("decode_step", torch.zeros(batch, zc, t_, hh, ww), cache)
 
 
 def _sigs_of_batch_one(models, config) -> list[tuple]:  # type: ignore[no-untyped-def]

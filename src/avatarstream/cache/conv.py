@@ -37,7 +37,7 @@ class ConvCache:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         self.direction = direction
         self.frames: dict[str, torch.Tensor] = {}
-        self.chunks = 0  # number of chunks processed so far (for logging/tests only)
+        self.chunks = 0  # decode/encode calls so far (a VAE backend waits for the steady state)
 
     # -- direction -------------------------------------------------------------------------------
     def bind(self, direction: str) -> None:
@@ -78,6 +78,7 @@ class ConvCache:
         if len(caches) == 1:
             return caches[0]
         out = ConvCache(caches[0].direction)
+        out.chunks = min(c.chunks for c in caches)
         for key in caches[0].frames:
             out.frames[key] = torch.cat([c.frames[key] for c in caches], 0)
         return out
@@ -92,7 +93,7 @@ class ConvCache:
             for key, val in stacked.frames.items():
                 c.frames[key] = val[i : i + 1].clone()
             c.bind(stacked.direction or "decode")
-            c.chunks += 1
+            c.chunks = stacked.chunks  # the calls made on the stack (a chunk can be two)
 
     def nbytes(self) -> int:
         """Bytes held by the cached frames (bounded: constant once every layer has seen a chunk)."""

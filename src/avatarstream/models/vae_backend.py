@@ -1,6 +1,7 @@
 """Optional faster backends for the causal VAE's streaming decode (`CausalVAE.decode_step`).
 
-A steady-state chunk (the stream's cache already filled) is one fixed computation: the latents
+A steady-state chunk (the stream's third decode call onwards: the cache filled, and past the
+first chunk's two parts) is one fixed computation: the latents
 and every cached conv input go in, the frames and the new cache entries come out. `StreamStep`
 is that computation as a plain function of tensors (the `ConvCache` entries as explicit inputs
 and outputs, in a fixed key order), which is what a compiler or an exported graph needs. The
@@ -87,8 +88,9 @@ class DecodeBackend:
     def decode_step(self, z: torch.Tensor, cache: ConvCache) -> torch.Tensor | None:
         """The clamped frames of a steady-state chunk (cache updated), or None where the caller
         decodes eagerly (first chunk, an unprepared shape, the eager backend)."""
-        if self.kind == "eager" or not cache.frames:
-            return None
+        if self.kind == "eager" or not cache.frames or cache.chunks < 2:
+            return None  # a stream's first call fills the cache; its second may be the first
+            # chunk's remainder (decode_publish sends a first frame ahead): steady from the third
         keys = sorted(cache.frames)
         bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         sig = (tuple(z.shape), z.device.type, bf16, tuple((k, tuple(cache.frames[k].shape)) for k in keys))
