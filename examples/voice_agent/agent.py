@@ -38,6 +38,7 @@ class Agent:
         self.records: list[dict] = []  # the current conversation's (one at a time)
         self.avatars: list[object] = []
         self.workers: list[object] = []
+        self.watchers: list[asyncio.Task] = []
 
     async def offer(self, request: web.Request) -> web.Response:
         from pipecat.pipeline.worker import PipelineParams, PipelineWorker
@@ -45,7 +46,7 @@ class Agent:
         from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 
         from avatarstream.integrations.pipecat import AvatarstreamVideoService
-        from bot import build_pipeline, transport_params
+        from bot import VIDEO_FPS, build_pipeline, transport_params
 
         body = await request.json()
         if not isinstance(body, dict) or "sdp" not in body or body.get("type") != "offer":
@@ -55,9 +56,12 @@ class Agent:
         for worker in self.workers:
             await worker.cancel()
         self.workers.clear()
+        for task in self.watchers:
+            task.cancel()
+        self.watchers.clear()
         connection = SmallWebRTCConnection()
         await connection.initialize(sdp=body["sdp"], type="offer")
-        avatar = AvatarstreamVideoService(host=self.host)
+        avatar = AvatarstreamVideoService(host=self.host, video_out_framerate=VIDEO_FPS)
         width, height = self.host.models.config.out_hw[1], self.host.models.config.out_hw[0]
         transport = SmallWebRTCTransport(connection, params=transport_params(width, height))
         record: dict = {"started": time.monotonic()}
@@ -69,9 +73,23 @@ class Agent:
             await worker.cancel()
 
         self.records, self.avatars = [record], [avatar]
+        record["stalls"] = []
+        worker_task = asyncio.get_running_loop().create_task(self._watch_loop(record["stalls"]))
+        self.watchers.append(worker_task)
         self.workers.append(worker)
         asyncio.get_running_loop().create_task(self._run(worker))
         return web.json_response(connection.get_answer())
+
+    @staticmethod
+    async def _watch_loop(stalls: list) -> None:
+        """Note every time this event loop was held up for more than 40 ms (time, ms): while it
+        is, nothing reaches WebRTC, and the browser's audio buffer grows by that much."""
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            late = time.monotonic() - t - 0.01
+            if late > 0.04:
+                stalls.append((round(t, 3), round(late * 1000)))
 
     async def _run(self, worker: object) -> None:
         from pipecat.workers.runner import WorkerRunner

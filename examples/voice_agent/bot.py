@@ -14,8 +14,8 @@ Everything runs on this machine without a network or torch:
   any Pipecat LLM service (one line in `build_pipeline`).
 
 `AvProbe` (after the avatar) keeps a record of what the avatar put out, for the demo's status
-endpoint and the browser test. With `beep=True` the TTS starts every sentence with a 60 ms
-1 kHz tone and pads it to whole video frames, and the probe paints a white square into the top
+endpoint and the browser test. With `beep=True` the TTS starts every sentence (after two frames
+of silence) with a 60 ms 1 kHz tone and pads it to whole video frames, and the probe paints a white square into the top
 left corner of the video frame that carries the tone's first sample: the browser then measures
 the audio/video offset as played, per sentence.
 """
@@ -60,15 +60,17 @@ FRAME_SAMPLES = 640  # one video frame of audio at 16 kHz and 25 fps
 class PocketsphinxSTTService(SegmentedSTTService):
     """PocketSphinx (CMU Sphinx, BSD) on each utterance Pipecat cut out with its VAD. Small and
     fast on a CPU, and its model comes with the package; accuracy is modest (it mishears a lot),
-    which a keyword-matching stand-in LLM forgives."""
+    which a keyword-matching stand-in LLM forgives. It decodes in a worker process
+    (stt_worker.py): in this one it would hold the GIL, and stall the WebRTC sending, for the
+    whole decode."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(sample_rate=RATE, settings=STTSettings(model="en-us", language=None),
                          ttfs_p99_latency=0.5, **kwargs)
-        from pocketsphinx import Decoder
+        import stt_worker
 
-        self._decoder = Decoder(samprate=RATE, loglevel="FATAL")
-        self._lock = asyncio.Lock()
+        self._worker = stt_worker
+        self._pool = stt_worker.pool()  # started now, so the first turn does not wait for it
 
     @property
     def wants_wav_segments(self) -> bool:
@@ -77,18 +79,10 @@ class PocketsphinxSTTService(SegmentedSTTService):
     def can_generate_metrics(self) -> bool:
         return True
 
-    def _decode(self, pcm: bytes) -> str:
-        d = self._decoder
-        d.start_utt()
-        d.process_raw(pcm, full_utt=True)
-        d.end_utt()
-        hyp = d.hyp()
-        return "" if hyp is None else hyp.hypstr.strip()
-
     async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame, None]:
         await self.start_processing_metrics()
-        async with self._lock:  # one decoder, one utterance at a time
-            text = await asyncio.to_thread(self._decode, audio)
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(self._pool, self._worker.decode, audio)
         await self.stop_processing_metrics()
         if text:
             yield TranscriptionFrame(text, self._user_id, time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -107,7 +101,8 @@ def beep() -> np.ndarray:
 
 class EspeakTTSService(TTSService):
     """espeak-ng (the voices avatarstream's own text front end speaks with), 16 kHz mono.
-    `beep`: each sentence starts with the marker tone and is padded to whole video frames, so
+    `beep`: each sentence starts with two frames of silence and the marker tone, and is padded
+    to whole video frames, so
     back-to-back sentences keep the tone on a frame boundary (the A/V measurement)."""
 
     def __init__(self, *, voice: str = "espeak:en-us+f2", beep: bool = False, **kwargs: Any) -> None:
@@ -124,8 +119,9 @@ class EspeakTTSService(TTSService):
 
     def _speak(self, text: str) -> np.ndarray:
         x = self._tts.speak(text, self._voice)
-        if self._beep:
-            x = np.concatenate([beep(), np.zeros(int(0.1 * RATE), np.float32), x])
+        if self._beep:  # the tone a few frames in: its frame's speech goes out before the image
+            pause = np.zeros(2 * FRAME_SAMPLES, np.float32)
+            x = np.concatenate([pause, beep(), pause, x])
             x = np.pad(x, (0, -x.size % FRAME_SAMPLES))
         return x
 
@@ -208,14 +204,18 @@ class AvProbe(FrameProcessor):
     """Records the avatar's output (images, speaking audio, turns, interruptions) in `record`,
     and with `mark` paints the frame whose speech starts with the marker tone.
 
-    Each image is held until the next frame arrives (its audio follows it at once), so it can be
-    marked before it goes on; the order of images and audio is unchanged."""
+    Marking: the tone's frame is known from its audio. Paced (the avatar's
+    `video_out_framerate`), a frame's speech goes out before or with its image, so the image is
+    painted as it passes (every repeat of it). Not paced, each image goes out just before its
+    speech: it is held until the next frame arrives (its audio, at once) so it can be marked
+    before it goes on. The order of images and audio is unchanged either way."""
 
     def __init__(self, avatar: AvatarstreamVideoService, record: dict, *, mark: bool = False) -> None:
         super().__init__()
         self.avatar, self.record, self.mark = avatar, record, mark
         self._held: OutputImageRawFrame | None = None
         self._last_beep = False
+        self._to_mark: set[int] = set()  # frames whose speech starts with the tone
         for key in ("events", "speech_frames", "markers"):
             record.setdefault(key, [])
         record.setdefault("images", 0)
@@ -236,17 +236,24 @@ class AvProbe(FrameProcessor):
         if isinstance(frame, OutputImageRawFrame):
             await self._release()
             self.record["images"] += 1
-            self._held = frame
+            if frame.sync_with_audio:
+                self._held = frame
+                return
+            if self.mark and frame.metadata.get("avatarstream_frame") in self._to_mark:
+                self._paint(frame)
+            await self.push_frame(frame, direction)
             return
         if isinstance(frame, TTSAudioRawFrame):
             pcm = np.frombuffer(frame.audio, np.int16)
             onset = has_beep_onset(pcm)
-            index = None if self._held is None else self._held.metadata.get("avatarstream_frame")
+            index = frame.metadata.get("avatarstream_frame")
             self.record["speech_frames"].append((time.monotonic(), index))
             if onset and not self._last_beep:
                 self.record["markers"].append({"t": time.monotonic(), "frame": index})
                 if self.mark and self._held is not None:
                     self._paint(self._held)
+                elif self.mark and index is not None:
+                    self._to_mark = {i for i in self._to_mark if i > index - 100} | {index}
             self._last_beep = onset
             await self._release()
             await self.push_frame(frame, direction)
@@ -274,13 +281,22 @@ class AvProbe(FrameProcessor):
 
 
 # -- the pipeline ----------------------------------------------------------------------------------
+VIDEO_FPS = 30  # aiortc stamps the k-th image written k / 30 s: 30 images a second, on time
+# Speech handed to WebRTC 100 ms at a time (Pipecat's default: 40 ms). Pipecat writes the next
+# piece only when the last one is being sent, so a stall of the event loop longer than a piece
+# makes WebRTC send silence and the rest of the reply plays that much later than its frames.
+AUDIO_CHUNKS = 10
+
+
 def transport_params(width: int, height: int) -> TransportParams:
-    """Not `video_out_is_live`: the avatar's images are `sync_with_audio`, which Pipecat's output
-    transport shows through its audio queue (each when the audio before it has been sent) and
-    then repeats at `video_out_framerate`; its live mode would never show them."""
+    """Live video at 30 fps: the avatar (`video_out_framerate=VIDEO_FPS`) writes one image per
+    slot of a 30 fps grid on the clock of its speech, and SmallWebRTC's aiortc track stamps
+    each image by its count (k / 30 s), so the browser lines the face up with the voice."""
     return TransportParams(audio_in_enabled=True, audio_out_enabled=True, audio_out_sample_rate=RATE,
-                           video_out_enabled=True, video_out_is_live=False, video_out_framerate=25,
-                           video_out_width=width, video_out_height=height)
+                           audio_out_10ms_chunks=AUDIO_CHUNKS,
+                           video_out_enabled=True, video_out_is_live=True,
+                           video_out_framerate=VIDEO_FPS, video_out_width=width,
+                           video_out_height=height)
 
 
 def build_pipeline(transport: Any, avatar: AvatarstreamVideoService, record: dict, *,

@@ -6,7 +6,7 @@ our avatar on tiny-random) in its own process.
 Checks: while the user speaks the avatar listens (frames keep coming, no speech, the mouth
 still); then it answers (its speech reaches the page, the mouth region changes while it
 speaks); the second utterance, spoken while it answers, interrupts it (its speech stops within
-a chunk); and per sentence, the offset between the marker tone in the played audio and the
+a chunk); and per sentence, the offset between the marker tone as WebRTC plays it out and the
 marked video frame as displayed (the agent runs with --beep)."""
 
 from __future__ import annotations
@@ -175,17 +175,24 @@ def test_conversation_in_chromium(tmp_path):
     stopped_after = float(after.max() - t_int) if after.size else 0.0
     assert stopped_after <= 0.8, stopped_after
 
-    offsets = av["offsets"]
+    # A/V offset as played, per sentence: when WebRTC played the tone's first packet out
+    # (getSynchronizationSources) minus when the page expected the marked frame on screen
+    # (requestVideoFrameCallback); > 0: the voice is later than the face. The WebAudio copy of
+    # the tone is reported beside it (it adds that graph's own buffering, ~70 ms here).
+    offsets = np.array(av["offsets"])
     print(f"\nvoice agent: started in {started:.1f} s; turns heard: {[t['heard'] for t in turns]}; "
           f"{av['frames']} frames shown, {av['dropped']} dropped; mouth change talking "
           f"{med_talk:.1f} vs listening {med_quiet:.2f}; speech stopped {stopped_after:.2f} s "
-          f"after the interruption; avatar TTFB {[round(x, 2) for x in state['ttfb_s']]}")
-    print(f"A/V offset per sentence (ms, tone played minus marked frame displayed; "
-          f"{len(offsets)} of {len(av['tones'])} tones, {len(av['markers'])} markers): "
-          f"{[round(o) for o in offsets]}")
-    print("tones (page ms):", [round(t) for t in av["tones"]])
-    print("marked frames shown (page ms):", [round(m["t"]) for m in av["markers"]])
-    print("markers put out by the agent (s):", [round(m["t"] - state["started"], 3) for m in state["markers"]])
-    # The measurement works (tones heard, marked frames seen, paired); the offsets themselves are
-    # reported, not held to a bound here: see examples/voice_agent/README.md.
-    assert len(av["markers"]) >= 5 and len(offsets) >= 0.5 * len(av["tones"]), (av["tones"], av["markers"])
+          f"after the interruption; avatar TTFB {[round(x, 2) for x in state['ttfb_s']]}; "
+          f"event-loop stalls over 40 ms: {[ms for _, ms in state.get('stalls', [])]}")
+    print(f"A/V offset per sentence (ms, tone played minus marked frame shown; {offsets.size} of "
+          f"{len(av['markers'])} markers, {len(state['markers'])} put out): "
+          f"{[round(o) for o in offsets]}; min/median/max {offsets.min():.0f}/"
+          f"{np.median(offsets):.0f}/{offsets.max():.0f}")
+    print(f"  through WebAudio (+ its buffering): {[round(o) for o in av['offsetsWebAudio']]}")
+    assert len(av["markers"]) >= 8 and offsets.size >= 0.6 * len(av["markers"]), (av["markers"], av["onsets"])
+    # What this machine reaches (2 shared cores, the agent and Chromium on them): the median
+    # within 80 ms; single sentences up to ~220 ms after event-loop stalls and interruptions
+    # (docs/pipecat.md, "A/V offset"), so each within 300 ms (it was +-425 before the fix).
+    assert abs(float(np.median(offsets))) <= 80, offsets
+    assert np.abs(offsets).max() <= 300, offsets

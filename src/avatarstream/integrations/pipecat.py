@@ -39,12 +39,6 @@ api_key=KEY)` (or `avatar_id=` of one uploaded before): the model runs in an `av
 the session's audio back over WebRTC). The same frames come out; the audio is the server's copy
 as WebRTC carries it (Opus, resampled to 16 kHz), and every frame comes at its playout time.
 
-Remote mode, `AvatarstreamVideoService(url="http://gpu-box:8000", avatar="face.jpg",
-api_key=KEY)` (or `avatar_id=` of one uploaded before): the model runs in an `avatarstream serve`
-(`remote.RemoteStream`: a session through its API, the speech over its WebSocket, the video and
-the session's audio back over WebRTC). The same frames come out; the audio is the server's copy
-as WebRTC carries it (Opus, resampled to 16 kHz), and every frame comes at its playout time.
-
 Metrics, the Pipecat way (`PipelineParams(enable_metrics=True)`): TTFB from the utterance's first
 `TTSAudioRawFrame` in to its first speaking video frame out; processing time from that same audio
 frame to the utterance's last frame out. `ttfb_s` keeps the TTFBs measured.
@@ -61,6 +55,7 @@ import numpy as np
 
 from avatarstream.errors import ConfigError, InputError
 from avatarstream.integrations.local import Frame, SegmentEnd, SessionStream, acquire_host, release_host
+from avatarstream.integrations.pacing import Pacer
 
 try:
     import soxr
@@ -85,7 +80,8 @@ class AvatarstreamVideoService(AIService):
                  device: str = "cpu", max_sessions: int | None = None,
                  seconds_per_chunk: float | None = None, lead_s: float = 0.3,
                  host: Any = None, url: str | None = None, api_key: str = "avatarstream-pipecat",
-                 avatar_id: str | None = None, **kwargs: Any) -> None:
+                 avatar_id: str | None = None, video_out_framerate: int | None = None,
+                 **kwargs: Any) -> None:
         """model: a registered model name (default: the bundled model); avatar: an image or video
         of the person (default: a drawn test face); max_sessions: the shared host's admission
         (None: measured at start, as `serve` does: a minute or so); host: an already started
@@ -93,6 +89,10 @@ class AvatarstreamVideoService(AIService):
         Remote mode: url of an `avatarstream serve`, api_key its bearer key (any name on a
         server without keys; never logged), avatar a file to upload or avatar_id one uploaded
         with the same key; the server's model is used (model/device/host are ignored).
+        video_out_framerate: for a transport with `video_out_is_live=True` and this
+        `video_out_framerate` (30 for SmallWebRTCTransport): the images go out on one clock
+        with the speech, one per slot at this rate (`pacing.Pacer`). None: each image as soon
+        as it is made, marked `sync_with_audio`, for `video_out_is_live=False`.
         Raises ConfigError for an unknown model or a URL that is not http(s), InputError for an
         avatar file that is not there or a remote service without an avatar."""
         from avatarstream.registry import resolve_model
@@ -108,7 +108,13 @@ class AvatarstreamVideoService(AIService):
             name = "remote"
         else:
             name = host.models.name if host is not None else resolve_model(model)
+        if video_out_framerate is not None and not 1 <= video_out_framerate <= 120:
+            raise ConfigError(f"video_out_framerate must be the transport's frame rate, 1 to 120 "
+                              f"(got {video_out_framerate})")
         super().__init__(settings=ServiceSettings(model=name), **kwargs)
+        self._rate = video_out_framerate
+        self._pacer: Pacer | None = None
+        self._last_image: Frame | None = None  # the last image pushed, paced
         self._remote = None if url is None else dict(url=url, api_key=api_key, avatar_id=avatar_id,
                                                      avatar=None if avatar is None else Path(avatar))
         self._host_args = dict(model=name, avatar=avatar, device=device, max_sessions=max_sessions,
@@ -188,6 +194,11 @@ class AvatarstreamVideoService(AIService):
         elif isinstance(frame, InterruptionFrame):
             await self._interrupt()
             await self.push_frame(frame, direction)
+            if self._last_image is not None:
+                # Pipecat's output restarts its live video task on an interruption, and the
+                # image that task holds (waiting for its slot) is lost: one image again keeps
+                # the transport's frame count, and so its video clock, on the media clock.
+                await self._push_image(self._last_image, sync_with_audio=False)
         elif isinstance(frame, UserStartedSpeakingFrame):
             # The user's turn. Speech already queued still plays (the agent stack decides whether
             # to interrupt it: InterruptionFrame); with none queued the session idles: listening.
@@ -255,14 +266,19 @@ class AvatarstreamVideoService(AIService):
         held, self._held_stop = self._held_stop, None
         if held is not None:  # two stops without a segment end between them: let the first go
             await self.push_frame(held, direction)
-        if await stream.more_to_come(talking=True):
+        if await stream.more_to_come(talking=True) or self._pacer_holds_speech():
             self._held_stop = frame
         else:
             self._measuring = False
             await self.push_frame(frame, direction)
 
+    def _pacer_holds_speech(self) -> bool:
+        return self._pacer is not None and self._pacer.speech_pending
+
     async def _interrupt(self) -> None:
         self._resampler = None
+        if self._pacer is not None:
+            self._pacer.clear_speech(time.monotonic())
         if self._stream is not None:
             await self._stream.clear()
         self._measuring = self._waiting_first_frame = False
@@ -275,7 +291,9 @@ class AvatarstreamVideoService(AIService):
         """Push the session's frames (and their speech) downstream as they are made."""
         stream = self._stream
         assert stream is not None
-        width, height = stream.size
+        if self._rate is not None:
+            await self._paced_output(stream)
+            return
         async for item in stream:
             if isinstance(item, SegmentEnd):
                 await self._segment_end(item)
@@ -285,26 +303,71 @@ class AvatarstreamVideoService(AIService):
                 delay = stream.origin + item.index / stream.fps - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            image = OutputImageRawFrame(image=np.ascontiguousarray(item.rgb).tobytes(),
-                                        size=(width, height), format="RGB")
-            image.sync_with_audio = True
-            image.metadata["avatarstream_frame"] = item.index  # its media time: index / fps
-            await self.push_frame(image)
-            self.frames_out += 1
+            await self._push_image(item, sync_with_audio=True)
             if item.pcm is not None:
-                if self._waiting_first_frame:
-                    self._waiting_first_frame = False
-                    self.ttfb_s.append(time.monotonic() - self._first_in)
-                    await self.stop_ttfb_metrics()
-                await self.push_frame(TTSAudioRawFrame(audio=item.pcm.tobytes(),
-                                                       sample_rate=stream.sample_rate, num_channels=1))
+                await self._push_speech(item)
+
+    async def _push_image(self, item: Frame, *, sync_with_audio: bool) -> None:
+        assert self._stream is not None
+        image = OutputImageRawFrame(image=np.ascontiguousarray(item.rgb).tobytes(),
+                                    size=self._stream.size, format="RGB")
+        image.sync_with_audio = sync_with_audio
+        if not sync_with_audio:
+            self._last_image = item
+        image.metadata["avatarstream_frame"] = item.index  # its media time: index / fps
+        await self.push_frame(image)
+        self.frames_out += 1
+
+    async def _push_speech(self, item: Frame) -> None:
+        assert self._stream is not None and item.pcm is not None
+        if self._waiting_first_frame:
+            self._waiting_first_frame = False
+            self.ttfb_s.append(time.monotonic() - self._first_in)
+            await self.stop_ttfb_metrics()
+        audio = TTSAudioRawFrame(audio=item.pcm.tobytes(), sample_rate=self._stream.sample_rate,
+                                 num_channels=1)
+        audio.metadata["avatarstream_frame"] = item.index
+        await self.push_frame(audio)
+
+    async def _paced_output(self, stream: Any) -> None:
+        """The frames on one clock with the speech (`pacing.Pacer`): a reader takes the
+        session's output as it is made, this loop pushes what is due, one image per slot."""
+        origin = stream.origin if isinstance(stream, SessionStream) else None
+        pacer = self._pacer = Pacer(stream.fps, self._rate, origin)
+        wake = asyncio.Event()
+
+        async def read() -> None:
+            async for item in stream:
+                pacer.add(item, time.monotonic())
+                wake.set()
+            wake.set()
+
+        reader = self.create_task(read())
+        try:
+            while not reader.done():
+                for kind, item in pacer.step(time.monotonic()):
+                    if kind == "image":
+                        await self._push_image(item, sync_with_audio=False)
+                    elif kind == "audio":
+                        await self._push_speech(item)
+                    else:
+                        await self._segment_end(item)
+                wait = pacer.next_time(time.monotonic()) - time.monotonic()
+                if wait > 0:
+                    wake.clear()
+                    try:
+                        await asyncio.wait_for(wake.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            await self.cancel_task(reader)
 
     async def _segment_end(self, end: SegmentEnd) -> None:
         stream = self._stream
         if self._measuring and not end.interrupted:
             await self.stop_processing_metrics()
-        if self._held_stop is not None and (stream is None
-                                            or not await stream.more_to_come(talking=False)):
+        if self._held_stop is not None and (stream is None or not (
+                await stream.more_to_come(talking=False) or self._pacer_holds_speech())):
             stop, self._held_stop = self._held_stop, None
             self._measuring = False
             await self.push_frame(stop)
