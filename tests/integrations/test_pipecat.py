@@ -92,9 +92,9 @@ def _resampled(pcm: np.ndarray) -> np.ndarray:
     return np.clip(np.round(y * 32768.0), -32768, 32767).astype(np.int16)
 
 
-def _run(host, body: Callable[[PipelineWorker, Sink, AvatarstreamVideoService], Awaitable[None]]
-         ) -> tuple[Sink, AvatarstreamVideoService]:  # type: ignore[no-untyped-def]
-    service = AvatarstreamVideoService(host=host)
+def _run(host, body: Callable[[PipelineWorker, Sink, AvatarstreamVideoService], Awaitable[None]],
+         **options) -> tuple[Sink, AvatarstreamVideoService]:  # type: ignore[no-untyped-def]
+    service = AvatarstreamVideoService(host=host, **options)
     sink = Sink()
     worker = PipelineWorker(Pipeline([service, sink]), params=PipelineParams(
         enable_metrics=True, send_initial_empty_metrics=False),
@@ -153,6 +153,34 @@ def test_speech_in_video_and_the_same_audio_out_with_ttfb(host):
     assert len(proc) == 1 and proc[0] > ttfb[0]
     print(f"\npipecat tiny-random: TTFB {ttfb[0]:.3f} s, processing {proc[0]:.3f} s, "
           f"{len(images)} frames at {rate:.1f} fps")
+
+
+def test_paced_output_for_a_live_transport_keeps_every_sample_and_the_stops(host):
+    """video_out_framerate=30 (a transport with video_out_is_live): one image per 1/30 s slot,
+    the speech whole and in order, each utterance's stop after its last audio, also when the
+    TTS stops only after the avatar has finished speaking."""
+    pcm = _speech(1.0)
+
+    async def body(worker, sink, service) -> None:  # type: ignore[no-untyped-def]
+        await worker.queue_frames([TTSStartedFrame(), *_tts_frames(pcm), TTSStoppedFrame()])
+        await sink.until(lambda: len(sink.of(TTSStoppedFrame)) == 1)
+        await worker.queue_frames([TTSStartedFrame(), *_tts_frames(pcm)])
+        await sink.until(lambda: len(sink.of(TTSAudioRawFrame)) * 640 >= 2 * _resampled(pcm).size)
+        await asyncio.sleep(0.5)  # all spoken: the stop arrives after the last frame went out
+        await worker.queue_frame(TTSStoppedFrame())
+        await sink.until(lambda: len(sink.of(TTSStoppedFrame)) == 2)
+
+    sink, _ = _run(host, body, video_out_framerate=30)
+    audio = [f for _, f in sink.of(TTSAudioRawFrame)]
+    out = np.concatenate([np.frombuffer(f.audio, np.int16) for f in audio])
+    ref = _resampled(pcm)
+    assert np.count_nonzero(out) >= 2 * np.count_nonzero(ref) - 2  # both utterances, whole
+    stops = [sink.got.index(x) for x in sink.of(TTSStoppedFrame)]
+    last_audio = max(sink.got.index(x) for x in sink.of(TTSAudioRawFrame))
+    assert stops[1] > last_audio
+    times = np.array([t for t, _ in sink.of(OutputImageRawFrame)])
+    rate = (len(times) - 1) / (times[-1] - times[0])
+    assert 20 < rate < 40, rate
 
 
 def test_interruption_stops_speech_and_lips_within_one_chunk(host):

@@ -74,6 +74,11 @@ class Pacer:
         if item.pcm is not None:
             self._speech.append(item)
 
+    @property
+    def speech_pending(self) -> bool:
+        """Speech audio is held that has not been released yet (segment ends alone do not count)."""
+        return any(not isinstance(x, SegmentEnd) for x in self._speech)
+
     def clear_speech(self, now: float) -> None:
         """An interruption: speech not yet released is dropped with its frames; what was
         released the transport drops itself, so the images go back to the media clock."""
