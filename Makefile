@@ -54,12 +54,14 @@ $(EXTRA): $(SERVE)
 
 # The layer contracts first (import-linter, pyproject.toml): a forbidden arrow fails in seconds.
 # The soak tests (marker `soak`: 5 minutes of a live session at real time on ~0.3 of a core, one
-# 3-minute compile) run in a second pytest alongside the rest rather than after it; their output
-# follows the main run's.
+# 3-minute compile) run in a second pytest alongside the rest rather than after it (at most 30
+# minutes; stopped with make); their output follows the main run's.
 test: $(STAMP) $(REAL) $(SERVE) $(EXTRA) sysdeps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	@rm -rf .pytest-soak; mkdir -p .pytest-soak; \
-	$(PY) -m pytest -q -m soak -p no:cacheprovider --basetemp .pytest-soak/tmp > .pytest-soak/log 2>&1 & soak=$$!; \
+	timeout -k 30 1800 $(PY) -m pytest -q -m soak -p no:cacheprovider --basetemp .pytest-soak/tmp \
+	  > .pytest-soak/log 2>&1 & soak=$$!; \
+	trap 'kill $$soak 2>/dev/null; exit 130' INT TERM; \
 	$(PY) -m pytest -q -m "not soak"; main=$$?; \
 	wait $$soak; rc=$$?; echo "--- soak tests (run alongside):"; cat .pytest-soak/log; \
 	test $$main = 0 && test $$rc = 0

@@ -23,12 +23,20 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
             "bad_audio": d / "not-audio.wav", "bad_image": d / "not-image.png"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_address(config_dir):  # type: ignore[no-untyped-def]
-    """A local Ray of 3 CPUs (2 renderers + the speech stage) for the session; its address."""
+    """A local Ray of 3 CPUs (2 renderers + the speech stage) for the tests of this folder; its
+    address. Shut down after them (later tests start their own Ray), the environment restored."""
     ray = pytest.importorskip("ray")
+    omp = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp

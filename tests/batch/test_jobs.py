@@ -4,10 +4,11 @@ row is found with its number and reason, templates, keys. No Ray here."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from avatarstream.batch.jobs import Job, check_out, load_jobs, substitute
+from avatarstream.batch.jobs import Job, check_out, load_jobs, stamp, substitute
 from avatarstream.errors import ConfigError, InputError
 
 from .helpers import write_csv
@@ -39,7 +40,12 @@ def test_csv_jsonl_and_parquet_give_the_same_jobs(inputs, tmp_path):
         assert jobs == got[0][0]
     one, two = got[0][0]
     assert one == Job(row=1, out="one.mp4", reference=str(inputs["ref"]), model="tiny-random",
-                      audio=str(inputs["a"]))
+                      audio=str(inputs["a"]), inputs=stamp(str(inputs["ref"]), str(inputs["a"])))
+    # the speech re-recorded at the same path: another key, so a rerun renders the row again
+    audio = Path(inputs["a"])
+    audio.write_bytes(audio.read_bytes() + b"\0")
+    again = load_jobs(csv_path, default_model="tiny-random")[0][0]
+    assert again.key != one.key and again.audio == one.audio
     assert (two.text, two.voice, two.size, two.seed, two.out) == ("Hi Ann!", "espeak:en-us+m1", "64x32", 7, "team/two.mp4")
 
 

@@ -27,6 +27,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
@@ -54,15 +55,27 @@ class Job:
     size: str | None = None
     strategy: str | None = None
     seed: int | None = None
+    inputs: str = ""  # the input files' sizes and modification times (`stamp`)
 
     @property
     def key(self) -> str:
-        """What decides the video, hashed: an edited row gets another key (and is rendered again)."""
+        """What decides the video, hashed: an edited row, or an input file replaced at the same
+        path, gets another key (and is rendered again)."""
         fields = {k: v for k, v in asdict(self).items() if k != "row"}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "key": self.key}
+
+
+def stamp(*paths: str | None) -> str:
+    """Size and modification time of each input file: a file re-recorded at the same path changes it."""
+    parts = []
+    for p in paths:
+        if p is not None and os.path.isfile(p):
+            st = os.stat(p)
+            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+    return ";".join(parts)
 
 
 @dataclass(frozen=True)
@@ -92,8 +105,11 @@ def read_rows(path: str | Path) -> list[dict[str, Any] | str]:
         if fmt == "jsonl":
             with open(p, encoding="utf-8") as f:
                 return [_json_row(line) for line in f if line.strip()]
-        import pyarrow.parquet as pq
-
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ConfigError("Parquet JOBS files need pyarrow: pip install 'avatarstream[curate]' "
+                              "(or give a CSV or JSONL file)") from e
         return pq.read_table(p).to_pylist()
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise InputError(f"cannot read the JOBS file {p}: {e}") from e
@@ -213,7 +229,8 @@ class Checker:
         if strategy is not None and strategy not in STRATEGIES:
             raise ConfigError(f"strategy {strategy!r}: give one of {', '.join(STRATEGIES)}")
         return Job(row=row, out=out, reference=reference, model=model, audio=audio, text=text,
-                   voice=voice, size=size, strategy=strategy, seed=None if seed is None else _seed(seed))
+                   voice=voice, size=size, strategy=strategy, seed=None if seed is None else _seed(seed),
+                   inputs=stamp(reference, audio))
 
     def _audio(self, value: str) -> str:
         from avatarstream.media.audio import AudioReader

@@ -65,6 +65,9 @@ class ServerRenderer(Renderer):
         public dict), pid} or {error, user_error}."""
         out = Path(path)
         _event("start", out.name)
+        from avatarstream.batch.manifest import remove_leftovers
+
+        remove_leftovers(out.parent, [out.name])  # a render Ray runs again: its dead try's files
         try:
             media_s, signed = self.write(self._configured(), frames, _pieces(audio), out)
         except AvatarStreamError as e:

@@ -143,8 +143,9 @@ def kill_test(jobs: Path, names: list[str], out: Path, model: str, tmp: Path) ->
     events = tmp / "kill-events.jsonl"
     # each row waits 0.5 s while signing: the kill lands on a row, not between two
     env = {**os.environ, EVENTS: str(events), PAUSE_FOR_TESTS: "0.5"}
-    proc = subprocess.Popen(_batch_cmd(jobs, out, model, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    # its output into files: a pipe nobody reads while this loop polls would block it when full
+    out_f, err_f = open(tmp / "kill.out", "w+"), open(tmp / "kill.err", "w+")
+    proc = subprocess.Popen(_batch_cmd(jobs, out, model, 2), stdout=out_f, stderr=err_f, text=True, env=env)
     victim: dict | None = None
     while proc.poll() is None and victim is None:
         ev = _events(events)
@@ -159,8 +160,11 @@ def kill_test(jobs: Path, names: list[str], out: Path, model: str, tmp: Path) ->
                 except ProcessLookupError:
                     victim = None
         time.sleep(0.05)
-    stdout, stderr = proc.communicate()
-    first = _summary(proc, stdout, stderr)
+    proc.wait()
+    with out_f, err_f:
+        out_f.seek(0)
+        err_f.seek(0)
+        first = _summary(proc, out_f.read(), err_f.read())
     second, _, _ = _run_batch(jobs, out, model, 2, {**env, PAUSE_FOR_TESTS: "0"})  # the resume
     m = _manifest(out)
     ev = _events(events)

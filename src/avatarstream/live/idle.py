@@ -52,6 +52,9 @@ def _smoothstep(x: np.ndarray) -> np.ndarray:
     return x * x * (3.0 - 2.0 * x)
 
 
+MAX_RAMPS = 256  # mode switches kept (each utterance and turn adds one or two)
+
+
 class IdleAnimator:
     def __init__(self, reference: torch.Tensor, *, fps: int = 25, amplitude: float = 0.012,
                  seed: int = 0, blend_s: float = 0.4) -> None:
@@ -95,6 +98,8 @@ class IdleAnimator:
             there = bool(np.allclose(start, target))
             n = 1 if there else max(1, self.blend if frames is None else int(frames))
             self._ramps.append(_Ramp(frame, start, target, n))  # type: ignore[arg-type]
+            if len(self._ramps) > MAX_RAMPS:  # a session of days: frames that old are never asked for again
+                del self._ramps[: len(self._ramps) - MAX_RAMPS]
             return frame if there else frame + n
 
     def fade_from(self, image: np.ndarray, frame: int, frames: int | None = None) -> None:

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from avatarstream.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +59,34 @@ def module_digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def package_key(module: nn.Module, sources: Iterable[str | Path], extra: str) -> str:
-    """The file name stem of the package of `module` computed by `sources` for inputs `extra`."""
+def machine_kind() -> str:
+    """What a compiled package's code may assume of the CPU: the vector ISA inductor compiles for
+    (its pick, with its own flags: AVX512 with VNNI, bf16, AMX...) and the CPU's feature flags
+    (a package from a machine with AMX or AVX512-bf16 would die of an illegal instruction on one
+    without, which no `try` can catch)."""
+    from torch._inductor import cpu_vec_isa
+
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    return (f"torch {torch.__version__}; {platform.machine()}; {cpu_vec_isa.pick_vec_isa()}; "
+            f"{hashlib.sha256(flags.encode()).hexdigest()[:16]}")
+
+
+def package_key(module: nn.Module, sources: Iterable[str | Path], extra: str,
+                digest: str | None = None) -> str:
+    """The file name stem of the package of `module` (`digest`: its `module_digest`, when the
+    caller keeps it) computed by `sources` for inputs `extra`, on this machine."""
     h = hashlib.sha256()
-    h.update(f"torch {torch.__version__}; {platform.machine()} "
-             f"{torch.backends.cpu.get_cpu_capability()}; {extra};".encode())
+    h.update(f"{machine_kind()}; {extra};".encode())
     for src in sources:
         h.update(Path(src).read_bytes())
-    h.update(module_digest(module).encode())
+    h.update((digest or module_digest(module)).encode())
     return h.hexdigest()[:32]
 
 
@@ -74,9 +97,13 @@ def load(key: str) -> Runner | None:
         return None
     try:
         compiled = torch._inductor.aoti_load_package(str(path))
-    except Exception as e:  # a damaged file, or a package from another torch build
-        log.warning("compiled package %s does not load (%s: %s): removed; it is rebuilt when asked",
-                    path, type(e).__name__, e)
+    except (OSError, MemoryError) as e:  # this machine now (no room to unpack, no file handles)
+        log.warning("compiled package %s not loaded (%s: %s): decoding eagerly this time", path,
+                    type(e).__name__, e)
+        return None
+    except Exception as e:  # the file itself: damaged, or not a package this torch reads
+        log.warning("compiled package %s does not load (%s: %s): removed; `avatarstream models "
+                    "compile` builds it again", path, type(e).__name__, e)
         path.unlink(missing_ok=True)
         return None
     return lambda *a: list(compiled(*a))
@@ -85,19 +112,26 @@ def load(key: str) -> Runner | None:
 def build(key: str, module: nn.Module, args: tuple[torch.Tensor, ...]) -> Runner:
     """Export `module(*args)` (fixed shapes), compile it to the package `key` and load it."""
     root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with torch.inference_mode(False), torch.no_grad(), torch.autocast("cpu", enabled=False):
-        args = tuple(a.clone() for a in args)  # export refuses inference tensors
-        program = torch.export.export(module, args)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{key}-", suffix=".pt2")
         os.close(fd)
-        try:
+    except OSError as e:
+        raise ConfigError(f"compiled packages are kept in {root}, which cannot be written ({e}); "
+                          "set AVATARSTREAM_CACHE_DIR to a writable folder") from e
+    try:
+        with torch.inference_mode(False), torch.no_grad(), torch.autocast("cpu", enabled=False):
+            args = tuple(a.clone() for a in args)  # export refuses inference tensors
+            program = torch.export.export(module, args)
             torch._inductor.aoti_compile_and_package(program, package_path=tmp,
                                                      inductor_configs={"freezing": True})
-            os.replace(tmp, root / f"{key}.pt2")
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        os.replace(tmp, root / f"{key}.pt2")
+    except (subprocess.CalledProcessError, OSError) as e:  # no C++ compiler, no room, ...
+        raise ConfigError(f"compiling the package failed ({type(e).__name__}: {e}); it needs a C++ "
+                          "compiler (g++) and room in " + str(root)) from e
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     log.info("compiled package %s built in %.1f s", key, time.perf_counter() - t0)
     runner = load(key)
     if runner is None:

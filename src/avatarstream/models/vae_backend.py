@@ -84,6 +84,7 @@ class DecodeBackend:
         self.vae, self.kind = vae, kind
         self.runners: dict[tuple, Runner | None] = {}  # None: this shape decodes eagerly
         self.built: list[int] = []  # chunk lengths of the graphs built (compiled or exported) here
+        self.digest: str | None = None  # the VAE's `aot.module_digest`, once needed
 
     def decode_step(self, z: torch.Tensor, cache: ConvCache) -> torch.Tensor | None:
         """The clamped frames of a steady-state chunk (cache updated), or None where the caller
@@ -107,7 +108,9 @@ class DecodeBackend:
         if z.device.type != "cpu":
             return None
         if self.kind in ("auto", "aoti"):
-            key = aot.package_key(self.vae, _SOURCES, f"vae decode step {sig}")
+            if self.digest is None:  # the weights' hash, once (not on every new shape)
+                self.digest = aot.module_digest(self.vae)
+            key = aot.package_key(self.vae, _SOURCES, f"vae decode step {sig}", self.digest)
             run = aot.load(key)
             if run is not None and z.shape[2] not in self.built:
                 self.built.append(z.shape[2])  # the session's chunk length: a tail is not built
