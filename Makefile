@@ -54,8 +54,9 @@ $(EXTRA): $(SERVE)
 
 # The layer contracts first (import-linter, pyproject.toml): a forbidden arrow fails in seconds.
 # The soak tests (marker `soak`: 5 minutes of a live session at real time on ~0.3 of a core, one
-# 3-minute compile) run in a second pytest alongside the rest rather than after it (at most 30
-# minutes; stopped with make); their output follows the main run's.
+# 3-minute compile, the soak and batch benchmarks' smoke runs) run in a second pytest alongside
+# the rest rather than after it (at most 30 minutes; stopped with make); their output follows the
+# main run's.
 test: $(STAMP) $(REAL) $(SERVE) $(EXTRA) sysdeps
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	@rm -rf .pytest-soak; mkdir -p .pytest-soak; \

@@ -24,6 +24,7 @@ def _documented_keys() -> set[str]:
     return {k for k in keys if "_" in k or k in ("model", "rows", "seconds", "reference")}
 
 
+@pytest.mark.soak  # alongside the rest in make test
 @pytest.mark.slow  # three `batch` processes, each starting Ray and its renderers: ~80 s on 2 busy cores
 def test_bench_batch_tiny_reports_every_key_and_loses_or_repeats_no_row(tmp_path):
     cmd = [sys.executable, "-m", "avatarstream.cli", "bench", "batch", "--rows", "2", "--seconds", "1",

@@ -18,6 +18,7 @@ KEYS = {"model", "rounds", "clients", "idle_timeout_s", "server_args", "server_r
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # alongside the rest in make test
 @pytest.mark.timeout(400)
 def test_server_soak_smoke_json():
     r = run_cli("bench", "server-soak", "--rounds", "3", "--clients", "3", "--json", timeout=400)

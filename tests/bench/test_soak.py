@@ -24,6 +24,7 @@ FILE_MINUTE = {"minute", "seconds", "av_offset_ms", "video_delay_ms", "audio_del
                "frames", "expected_frames", "dropped", "duplicated", "rss_mb", "rss_min_mb", "rss_max_mb"}
 
 
+@pytest.mark.soak  # alongside the rest in make test
 @pytest.mark.timeout(240)
 def test_soak_smoke_json():
     r = run_cli("bench", "soak", "--minutes", "0.2", "--talk", "4", "--pause", "2",
