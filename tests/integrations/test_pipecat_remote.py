@@ -98,7 +98,9 @@ def test_remote_speech_in_video_and_its_audio_out_with_ttfb(server, caplog):
     assert audio_at and all(isinstance(seq[i - 1], OutputImageRawFrame) for i in audio_at)
     assert audio_at == list(range(audio_at[0], audio_at[-1] + 1, 2))
     assert all(seq[i].sample_rate == 16000 and len(seq[i].audio) == 1280 for i in audio_at)
-    assert abs(len(audio_at) - 50) <= 2, len(audio_at)
+    # measured 50 and 55: the server's session brackets its speech with the silent dissolve
+    # frames (LiveSessionConfig.ease_s, 8 frames) when its events land a little late
+    assert -2 <= len(audio_at) - 50 <= 8, len(audio_at)
     # the audio is the speech sent, through Opus: correlated with it at (close to) no lag
     out = np.concatenate([np.frombuffer(seq[i].audio, np.int16) for i in audio_at]).astype(float)
     ref = _resampled(pcm).astype(float)
