@@ -1,7 +1,7 @@
 """`avatarstream models compile`: build the compiled decode graphs a model's runs will load.
 
 The causal VAE decodes a stream's steady chunks through an ahead-of-time compiled package when
-one is on disk (`models/aot.py`, `models/vae_backend.py`; backend "auto", the default). A
+one is on disk and `AVATARSTREAM_VAE_BACKEND=auto` (`models/aot.py`, `models/vae_backend.py`). A
 package belongs to one model, chunk shape, dtype, torch build and CPU kind, and costs ≈ 40 s of
 one core to build, so no run builds one on its own: this command does, once per machine, for
 the shapes `generate` and `serve` use with this model and size:
@@ -27,8 +27,8 @@ import torch
 from avatarstream.engine.config import SIZE_HELP, parse_size
 from avatarstream.errors import ConfigError
 
-HELP = ("compile the VAE decode graphs generate and serve load for a model (once per machine, "
-        "≈ 40 s a shape; runs use them by default)")
+HELP = ("compile the VAE decode graphs generate and serve load for a model with "
+        "AVATARSTREAM_VAE_BACKEND=auto (once per machine, ≈ 20-35 s a shape)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ emulation. So every "use bf16" default in the project asks `bf16_is_fast` first.
 `AVATARSTREAM_BF16=1` / `=0` forces the answer (benchmarks, or a CPU whose flags we misread).
 
 `AVATARSTREAM_VAE_BACKEND` picks how the causal VAE decodes a stream's steady chunks
-(`models/vae_backend.py`): auto (default: a compiled package when one is on disk), eager, aoti,
+(`models/vae_backend.py`): eager (default), auto (a compiled package when one is on disk), aoti,
 compile, openvino or onnx.
 """
 
@@ -51,16 +51,18 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
 
 
 def vae_backend() -> str:
-    """The causal VAE's streaming-decode backend: `AVATARSTREAM_VAE_BACKEND`, else "auto".
+    """The causal VAE's streaming-decode backend: `AVATARSTREAM_VAE_BACKEND`, else "eager".
 
-    "auto" decodes a stream's steady chunks with the ahead-of-time compiled package of this
-    model and chunk shape when one is on disk (`avatarstream compile` builds them: ≈ 40 s a shape,
-    once per machine; loading takes milliseconds) and eagerly otherwise: building one inside a
-    short `generate` costs more than it saves. "eager" is the switch back (`models/vae_backend.py`
-    lists every backend and its measured speed)."""
+    "auto" decodes a stream's steady chunks with the ahead-of-time compiled package of this model
+    and chunk shape when one is on disk (`avatarstream models compile` builds them: ≈ 20-35 s a
+    shape, once per machine; loading takes milliseconds), eagerly otherwise. It is not the
+    default: alone, or beside a busy thread, a package decodes a chunk in 0.81x / 0.44x eager's
+    time, but inside `generate` (decode overlapped with the DiT on 2 cores) a whole run was
+    slower (`bench realtime` rtf 1.74 against 2.88, one run). `models/vae_backend.py` lists
+    every backend."""
     from avatarstream.models.vae_backend import BACKENDS
 
-    kind = os.environ.get("AVATARSTREAM_VAE_BACKEND", "").strip().lower() or "auto"
+    kind = os.environ.get("AVATARSTREAM_VAE_BACKEND", "").strip().lower() or "eager"
     if kind not in BACKENDS:
         raise ConfigError(f"AVATARSTREAM_VAE_BACKEND={kind!r}: use one of {', '.join(BACKENDS)}")
     return kind

@@ -144,7 +144,7 @@ def test_eager_backend_and_clamp_false_stay_eager():
 
 def test_backend_setting(monkeypatch):
     monkeypatch.delenv("AVATARSTREAM_VAE_BACKEND", raising=False)
-    assert vae_backend() == "auto"
+    assert vae_backend() == "eager"
     monkeypatch.setenv("AVATARSTREAM_VAE_BACKEND", " Compile ")
     assert vae_backend() == "compile"
     monkeypatch.setenv("AVATARSTREAM_VAE_BACKEND", "tensorrt")

@@ -11,10 +11,10 @@ computation whatever the backend, up to float rounding.
 
 Backends (`AVATARSTREAM_VAE_BACKEND`, read by `hardware.vae_backend`):
 
-- `auto` (default): the `aoti` package of this model, chunk shape and CPU when one was built
+- `auto`: the `aoti` package of this model, chunk shape and CPU when one was built
   before (`avatarstream compile`, or any run with `aoti`), loaded in milliseconds; else eager.
   It never builds one itself.
-- `eager`: `decode_step` as written.
+- `eager` (default): `decode_step` as written.
 - `aoti`: an AOTInductor package (`models/aot.py`: `torch.export`, compiled with `freezing`,
   kept on disk, one per shape); built on first use (≈ 40 s of one core for the bundled model,
   once per machine), loaded from disk afterwards. Under bf16 autocast the package is the step
