@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from avatarstream.batch.run import Renderer, _event, _pieces, _remove_partials
-from avatarstream.errors import AvatarStreamError, ConfigError, InputError
+from avatarstream.errors import AvatarStreamError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -180,17 +180,10 @@ class RayRenders:
     def create(self, owner: str, frames: Any, audio: np.ndarray, path: Path) -> RayRender:
         """A queued render of `audio` (float32 at the model's rate) on `frames`; InputError when it
         is empty, too long, or its key has too many running."""
-        seconds = audio.size / self.sample_rate
-        if audio.size == 0:
-            raise InputError("the audio is empty: give speech to render")
-        if seconds > self.max_seconds:
-            raise InputError(f"the audio is {seconds:.0f} s long; renders are limited to "
-                             f"{self.max_seconds:g} s")
+        from avatarstream.live.renders import admit
+
+        admit(self.jobs, self._lock, owner, audio.size / self.sample_rate, self.max_seconds, self.max_jobs)
         with self._lock:
-            active = [j for j in self.jobs.values() if j.owner == owner and not j.done]
-            if len(active) >= self.max_jobs:
-                raise InputError(f"{len(active)} renders of this key are still running; wait "
-                                 f"for one to finish")
             spf = self.sample_rate // self.fps
             job_id = secrets.token_hex(12)
             job = RayRender(job_id, owner, Path(path) / f"{job_id}.mp4", -(-audio.size // spf),

@@ -18,6 +18,7 @@ complete unsigned file; `content_credentials` in the job says which.
 from __future__ import annotations
 
 import logging
+from typing import Any
 import secrets
 import threading
 import time
@@ -48,6 +49,20 @@ def _pieces(audio: np.ndarray, piece: int, spf: int) -> Iterator[torch.Tensor]:
     x = np.concatenate([x, np.zeros(pad, np.float32)])
     for i in range(0, x.size, piece):
         yield torch.from_numpy(x[i : i + piece])
+
+
+def admit(jobs: dict, lock: Any, owner: str, seconds: float, max_seconds: float, max_jobs: int) -> None:
+    """InputError when a render of `seconds` of audio may not start: empty, longer than
+    `max_seconds`, or `owner` (an API key) has `max_jobs` not done in `jobs` (checked under `lock`).
+    Shared by the server's own renders and those it sends to Ray (batch/remote.py)."""
+    if seconds <= 0:
+        raise InputError("the audio is empty: give speech to render")
+    if seconds > max_seconds:
+        raise InputError(f"the audio is {seconds:.0f} s long; renders are limited to {max_seconds:g} s")
+    with lock:
+        active = [j for j in jobs.values() if j.owner == owner and not j.done]
+        if len(active) >= max_jobs:
+            raise InputError(f"{len(active)} renders of this key are still running; wait for one to finish")
 
 
 @dataclass
@@ -189,17 +204,7 @@ class RenderManager:
     def create(self, owner: str, prepared: PreparedReference, audio: np.ndarray) -> RenderJob:
         """A queued job for `audio` (float32 16 kHz); InputError when it is empty or too long."""
         c = self.models.config
-        seconds = audio.size / c.sample_rate
-        if audio.size == 0:
-            raise InputError("the audio is empty: give speech to render")
-        if seconds > self.max_seconds:
-            raise InputError(f"the audio is {seconds:.0f} s long; renders are limited to "
-                             f"{self.max_seconds:g} s")
-        with self._lock:
-            active = [j for j in self.jobs.values() if j.owner == owner and not j.done]
-            if len(active) >= self.max_jobs:
-                raise InputError(f"{len(active)} renders of this key are still running; wait "
-                                 f"for one to finish")
+        admit(self.jobs, self._lock, owner, audio.size / c.sample_rate, self.max_seconds, self.max_jobs)
         job_id = secrets.token_hex(12)
         spf = c.sample_rate // c.fps
         path = self.dir / f"{job_id}.mp4"
