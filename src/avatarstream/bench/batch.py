@@ -55,6 +55,7 @@ from typing import Any
 from avatarstream.batch.manifest import NAME as MANIFEST
 from avatarstream.batch.manifest import sha256_file
 from avatarstream.batch.run import EVENTS_FOR_TESTS as EVENTS
+from avatarstream.bench.soak_measure import process_rss_mb
 from avatarstream.errors import ConfigError, InputError
 from avatarstream.provenance.credentials import PAUSE_FOR_TESTS
 
@@ -179,17 +180,6 @@ def kill_test(jobs: Path, names: list[str], out: Path, model: str, tmp: Path) ->
             "kill_resume_rendered": second["done"], "rows_lost": lost, "rows_duplicated": dup}
 
 
-def _vm_rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        return None
-    return None
-
-
 def _done_rows(out: Path) -> int | None:
     if not (out / MANIFEST).exists():
         return None
@@ -239,7 +229,7 @@ def memory_test(jobs: Path, rows: int, out: Path, workers: int) -> dict[str, Any
     reader = threading.Thread(target=lambda: streams.update(zip(("out", "err"), proc.communicate())))
     reader.start()  # the pipes drained while sampling
     while proc.poll() is None:
-        rss, done = _vm_rss_mb(proc.pid), _done_rows(out)
+        rss, done = process_rss_mb(proc.pid), _done_rows(out)
         if rss is not None:
             peak = max(peak, rss)
             if done:  # from the first recorded row: Ray and the pool are up
