@@ -63,12 +63,21 @@ def test_recipe_bf16_values():
 
 
 
-def test_generation_threads_leave_the_decode_a_core_for_causal_only():
+def test_generation_threads_leave_the_decode_its_share(monkeypatch):
     """Causal with the decode on its own thread: all cores but one (measured on 2 cores: 1 thread
-    rtf 2.20, 2 threads 1.24; hardware.generation_threads); prefix/interp, or causal with the
-    decode inline, keep every core; never fewer than one."""
+    rtf 2.20, 2 threads 1.24; hardware.generation_threads); prefix/interp with the split decode
+    (two decode threads that inherit the number): half the cores; the decode inline, or the split
+    forced off: every core; never fewer than one."""
+    monkeypatch.delenv("AVATARSTREAM_SPLIT_DECODE", raising=False)
     g = hardware.generation_threads
     assert g("causal", True, cores=2) == 1 and g("causal", True, cores=8) == 7
     assert g("causal", True, cores=1) == 1
     assert g("causal", False, cores=2) == 2
-    assert g("prefix", True, cores=2) == 2 and g("interp", True, cores=4) == 4
+    assert g("prefix", True, cores=2) == 1 and g("interp", True, cores=8) == 4
+    assert g("prefix", True, cores=1) == 1 and g("prefix", False, cores=2) == 2
+    assert hardware.split_decode("prefix", True) and not hardware.split_decode("causal", True)
+    assert not hardware.split_decode("prefix", False)
+    monkeypatch.setenv("AVATARSTREAM_SPLIT_DECODE", "0")
+    assert g("prefix", True, cores=2) == 2 and not hardware.split_decode("interp", True)
+    monkeypatch.setenv("AVATARSTREAM_SPLIT_DECODE", "1")
+    assert hardware.split_decode("causal", True) and not hardware.split_decode("causal", False)

@@ -85,6 +85,22 @@ def resolve_bf16(setting: bool | str | None, device: str | torch.device = "cpu")
     return bool(setting)
 
 
+def split_decode(strategy: str, decode_overlap: bool) -> bool:
+    """Whether `generate` decodes each chunk in two parts on two threads (`SplitWorker`: the
+    VAE's low-resolution part of chunk k+1 beside the rest of chunk k, both beside the DiT), for
+    the prefix and interp strategies with the overlapped decode. Measured on 2 AVX512-bf16 cores
+    (bundled model, 256 px, `generate` rtf, runs alternated): split with one thread per part
+    3.33-3.69, one decode thread with 2 intra-op threads (the previous default) 3.14-3.60, split
+    with 2 threads 2.99-3.14. A causal block's decode is small beside its eight DiT passes, so
+    causal keeps one decode thread. `AVATARSTREAM_SPLIT_DECODE=1` / `=0` forces it."""
+    if not decode_overlap:
+        return False
+    forced = os.environ.get("AVATARSTREAM_SPLIT_DECODE", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return strategy in ("prefix", "interp")
+
+
 def generation_threads(strategy: str, decode_overlap: bool, cores: int | None = None) -> int:
     """Torch threads of the generating thread when the user sets none.
 
@@ -94,9 +110,13 @@ def generation_threads(strategy: str, decode_overlap: bool, cores: int | None = 
     cores and the passes slow down more than the extra thread speeds them up. Measured on 2 cores
     (`bench realtime --model avatarstream-small-causal`): 1 thread rtf 2.20, causal denoise 200 ms
     a block; 2 threads rtf 1.24, 365 ms; 2 threads with the decode inline rtf 1.84. So causal
-    leaves one core to the decode. `prefix`/`interp` chunks are 8 latent frames and keep every
-    core (2 threads rtf 4.27 against 3.91 with 1)."""
+    leaves one core to the decode. `prefix`/`interp` chunks are 8 latent frames; with the split
+    decode (`split_decode`: three threads of model work, the decode threads inherit this number)
+    each gets half the cores, one thread on 2 cores (the measurements are in `split_decode`),
+    else every core."""
     n = cores if cores is not None else torch.get_num_threads()
     if strategy == "causal" and decode_overlap:
         return max(1, n - 1)
+    if split_decode(strategy, decode_overlap):
+        return max(1, n // 2)
     return max(1, n)

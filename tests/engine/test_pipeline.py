@@ -103,9 +103,10 @@ def test_threads_do_not_leak():
 
 
 @pytest.mark.parametrize("strategy", ["prefix", "interp", "causal"])
-def test_overlapped_decode_is_bit_identical(strategy, one_thread):
-    """Decode on its own thread (`decode_overlap`, the default) vs inline: the same frames, bit for
-    bit (tolerance 0: the same ops on the same data in the same order), the same frame count."""
+def test_overlapped_decode_is_bit_identical(strategy, one_thread, monkeypatch):
+    """Decode on its own thread (`decode_overlap`, the default), or in two parts on two threads
+    (`split_decode`), vs inline: the same frames, bit for bit (tolerance 0: the same ops on the
+    same data in the same order), the same frame count."""
     import dataclasses
 
     from avatarstream.registry import load_model
@@ -113,15 +114,18 @@ def test_overlapped_decode_is_bit_identical(strategy, one_thread):
     models = load_model("tiny-random")
     ref = reference()
     got = {}
-    for overlap in (False, True):
+    for overlap, split in ((False, "0"), (True, "0"), (True, "1")):
+        monkeypatch.setenv("AVATARSTREAM_SPLIT_DECODE", split)
         cfg = dataclasses.replace(models.config, strategy=strategy, decode_overlap=overlap)
         sink = ListSink()
         summary = Pipeline(models, cfg).run(ref, audio_chunks(3.3), [sink])
-        got[overlap] = (summary.frames, [c.start_frame for c in sink.video],
-                        np.concatenate([c.frames for c in sink.video]))
-    assert got[True][0] == got[False][0] == got[True][2].shape[0]
-    assert got[True][1] == got[False][1]
-    assert np.array_equal(got[True][2], got[False][2])
+        got[overlap, split] = (summary.frames, [c.start_frame for c in sink.video],
+                               np.concatenate([c.frames for c in sink.video]))
+    inline = got[False, "0"]
+    for key in ((True, "0"), (True, "1")):
+        assert got[key][0] == inline[0] == got[key][2].shape[0]
+        assert got[key][1] == inline[1]
+        assert np.array_equal(got[key][2], inline[2])
 
 
 def test_overlapped_decode_error_reaches_the_caller():

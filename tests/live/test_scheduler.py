@@ -114,13 +114,15 @@ def tiny_direct():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("kind,overlap", [("plain", False), ("plain", True), ("direct", True),
-                                          ("guided", True), ("stochastic", True), ("interp", True)])
+                                          ("guided", True), ("stochastic", True), ("interp", True),
+                                          ("split", True)])
 def test_batched_sessions_equal_sessions_run_alone(tiny, tiny_direct, kind, overlap):
     """Three segments (image and video references, different speech and lengths, one joining
     late) batched by the scheduler produce the frames each produces alone; with the decode on
     the scheduler's decode thread (overlap) as well; for a direct model (no refiner), with
     classifier-free guidance of a model not distilled (two DiT passes a step), the stochastic
-    sampler and the interp schedule too."""
+    sampler and the interp schedule too; and with the decode in two parts on two threads
+    (split: each part stacks and splits its own layers of the sessions' caches)."""
     import dataclasses
 
     if kind == "direct":
@@ -140,7 +142,8 @@ def test_batched_sessions_equal_sessions_run_alone(tiny, tiny_direct, kind, over
             solo.run([(rec, seg.state)])  # a batch of one: a file render's path
             seg.finish(rec)
     together = _segments(tiny, refs, secs)
-    sched = ChunkScheduler(tiny, decode_overlap=overlap)
+    sched = ChunkScheduler(tiny, decode_overlap=overlap, executor=None if kind != "split" else LocalExecutor(
+        default_stages(tiny, tiny.config), decode_overlap=True, decode_split=True))
     batches = []
     step = 0
     while not all(seg.done for seg, _ in together):

@@ -24,6 +24,8 @@ or both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 DIRECTIONS = ("encode", "decode")
@@ -73,27 +75,34 @@ class ConvCache:
         return tuple(sorted((k, tuple(v.shape[1:])) for k, v in self.frames.items()))
 
     @staticmethod
-    def stack(caches: "list[ConvCache]") -> "ConvCache":
-        """B caches of batch 1 with one `layout` -> one cache of batch B (one cache: itself)."""
+    def stack(caches: "list[ConvCache]", keys: Callable[[str], bool] | None = None) -> "ConvCache":
+        """B caches of batch 1 with one `layout` -> one cache of batch B (one cache: itself).
+        keys: only the layers it accepts (a pipelined decode's front or back part: the two parts
+        of a chunk hold disjoint layers, each stacked and split by the thread that runs it)."""
         if len(caches) == 1:
             return caches[0]
         out = ConvCache(caches[0].direction)
         out.chunks = min(c.chunks for c in caches)
-        for key in caches[0].frames:
-            out.frames[key] = torch.cat([c.frames[key] for c in caches], 0)
+        for key in list(caches[0].frames):
+            if keys is None or keys(key):
+                out.frames[key] = torch.cat([c.frames[key] for c in caches], 0)
         return out
 
     @staticmethod
-    def split(stacked: "ConvCache", caches: "list[ConvCache]") -> None:
+    def split(stacked: "ConvCache", caches: "list[ConvCache]", keys: Callable[[str], bool] | None = None,
+              *, count: bool = True) -> None:
         """Hand a stacked cache's state back to the B caches it was stacked from, after a chunk
-        (one cache: it was its own stack, nothing to do)."""
+        (one cache: it was its own stack, nothing to do). keys: as `stack`'s; count: also hand
+        back the number of calls (the part of a pipelined decode that finishes a chunk)."""
         if len(caches) == 1 and caches[0] is stacked:
             return
         for i, c in enumerate(caches):
-            for key, val in stacked.frames.items():
-                c.frames[key] = val[i : i + 1].clone()
+            for key, val in list(stacked.frames.items()):
+                if keys is None or keys(key):
+                    c.frames[key] = val[i : i + 1].clone()
             c.bind(stacked.direction or "decode")
-            c.chunks = stacked.chunks  # the calls made on the stack (a chunk can be two)
+            if count:
+                c.chunks = stacked.chunks  # the calls made on the stack (a chunk can be two)
 
     def nbytes(self) -> int:
         """Bytes held by the cached frames (bounded: constant once every layer has seen a chunk)."""

@@ -21,7 +21,7 @@ from typing import Protocol
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import Item, Stage
 from avatarstream.engine.stages.decode_publish import DecodePublishStage
-from avatarstream.engine.worker import BackgroundWorker
+from avatarstream.engine.worker import BackgroundWorker, SplitWorker
 
 
 class Executor(Protocol):
@@ -59,17 +59,19 @@ def groups(items: Sequence[Item], key: Callable[[Item], Hashable | None], size: 
 
 class LocalExecutor:
     def __init__(self, stages: list[Stage], *, decode_overlap: bool = False, batching: bool = True,
-                 max_batch: int = 8) -> None:
+                 max_batch: int = 8, decode_split: bool = False) -> None:
         """decode_overlap: the VAE decode + publication on a thread of its own (bit-identical
-        video); batching False: every item alone (what `serve --no-batching` measures)."""
+        video); decode_split: on two threads, a chunk's decode in two parts where the VAE has
+        them (`SplitWorker`; the same video); batching False: every item alone (what
+        `serve --no-batching` measures)."""
         self.stages = stages
         self.batching, self.max_batch = batching, max_batch
-        self.decode_overlap = decode_overlap
-        self.worker: BackgroundWorker | None = None
+        self.decode_overlap, self.decode_split = decode_overlap, decode_split
+        self.worker: BackgroundWorker | SplitWorker | None = None
         self.decode_seconds = 0.0  # seconds the decode thread spent (closed threads included)
         self._failed: list[tuple[BaseException, list[SessionState]]] = []  # of closed threads
 
-    def _attach(self, worker: BackgroundWorker | None) -> None:
+    def _attach(self, worker: BackgroundWorker | SplitWorker | None) -> None:
         self.worker = worker
         for s in self.stages:
             if isinstance(s, DecodePublishStage):
@@ -77,7 +79,8 @@ class LocalExecutor:
 
     def run(self, items: Sequence[Item]) -> None:
         if self.decode_overlap and self.worker is None:  # started on first use (again after close)
-            self._attach(BackgroundWorker("avatarstream-decode", max_queued=1))
+            self._attach(SplitWorker("avatarstream-decode") if self.decode_split
+                         else BackgroundWorker("avatarstream-decode", max_queued=1))
         size = self.max_batch if self.batching else 1
         for stage in self.stages:
             key = (lambda it, s=stage: s.batch_key(*it)) if self.batching else (lambda it: None)

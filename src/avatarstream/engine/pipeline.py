@@ -141,7 +141,10 @@ class Pipeline:
 
     def executor(self) -> LocalExecutor:
         c = self.config
-        return LocalExecutor(self._build_stages(self.models, c), decode_overlap=c.decode_overlap)
+        from avatarstream.hardware import split_decode
+
+        return LocalExecutor(self._build_stages(self.models, c), decode_overlap=c.decode_overlap,
+                             decode_split=split_decode(c.strategy, c.decode_overlap))
 
     def run(
         self,

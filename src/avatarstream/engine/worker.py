@@ -80,3 +80,55 @@ class BackgroundWorker:
         """Run what was submitted, then stop the thread."""
         self._q.put(_STOP)
         self._thread.join(timeout)
+
+
+class SplitWorker:
+    """Two `BackgroundWorker`s in a row: the executor's decode thread when a chunk's decode runs in
+    two parts (`submit_split`: the VAE's low-resolution part on the first thread, the rest and the
+    publication on the second), so chunk k finishes on one core while chunk k+1 starts on the
+    other. A whole call (`submit`) runs on the first thread once the second is idle.
+    The same interface as one worker (`wait`, `failures`, `close`, `seconds`); an error of either
+    part is kept with its tag, and a front part that failed hands nothing to the second thread."""
+
+    def __init__(self, name: str) -> None:
+        self.front = BackgroundWorker(name, max_queued=1)
+        self.back = BackgroundWorker(f"{name}-back", max_queued=1)
+
+    @property
+    def seconds(self) -> float:
+        return self.front.seconds + self.back.seconds
+
+    @property
+    def calls(self) -> int:
+        return self.back.calls
+
+    def submit(self, fn: Callable[[], None], tag: Any = None) -> None:
+        """A whole call: on the first thread once the second is idle (it may use every layer)."""
+        def run() -> None:
+            self.back.wait()
+            fn()
+
+        self.front.submit(run, tag)
+
+    def submit_split(self, front: Callable[[], Any], back: Callable[[Any], None], tag: Any = None) -> None:
+        """front() on the first thread, then back(its result) on the second."""
+        def run_front() -> None:
+            out = front()
+            self.back.submit(lambda: back(out), tag)
+
+        self.front.submit(run_front, tag)
+
+    def wait(self) -> None:
+        self.front.wait()  # the first thread hands its last part to the second before it is idle
+        self.back.wait()
+
+    def failures(self) -> list[tuple[BaseException, Any]]:
+        return self.front.failures() + self.back.failures()
+
+    def raise_if_failed(self) -> None:
+        self.front.raise_if_failed()
+        self.back.raise_if_failed()
+
+    def close(self, timeout: float | None = None) -> None:
+        self.front.close(timeout)
+        self.back.close(timeout)

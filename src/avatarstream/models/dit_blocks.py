@@ -102,6 +102,13 @@ class CrossAttention(AttentionLayer):
         return o
 
 
+    def one_key(self, ctx: torch.Tensor) -> torch.Tensor:
+        """The output for any query when the context is one token ctx `[B, 1, D]` that may be
+        attended: a softmax over one key is exactly 1, so every query reads that token's value,
+        `[B, 1, D]` (the queries, their norm and the scores are never needed)."""
+        return self.o(self.v(ctx))
+
+
 class DiTBlock(nn.Module):
     def __init__(self, dim: int, heads: int, ffn_dim: int, eps: float) -> None:
         super().__init__()
@@ -138,7 +145,10 @@ class DiTBlock(nn.Module):
         x `[B, T, P, D]`, text `[B, L, D]`, audio `[B, T, A, D]`.
         """
         b, t, p, d = x.shape
-        x = x + self.cross_attn(self.norm3(x).reshape(b, t * p, d), text, text_mask).view(b, t, p, d)
+        if text.shape[1] == 1 and (text_mask is None or bool(text_mask.all())):
+            x = x + self.cross_attn.one_key(text)[:, None]  # one text token (our models' prompt)
+        else:
+            x = x + self.cross_attn(self.norm3(x).reshape(b, t * p, d), text, text_mask).view(b, t, p, d)
         a = audio.shape[2]
         y = self.audio_attn(self.norm_audio(x).reshape(b * t, p, d), audio.reshape(b * t, a, d))
         return x + y.view(b, t, p, d)

@@ -53,13 +53,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from avatarstream.cache.conv import ConvCache
 from avatarstream.models.vae_blocks import (CausalConv3d, Downsample, Head, MidBlock, ResnetLevel,
-                                           Upsample, channel_mean, per_frame)
+                                           Upsample, channel_mean, per_frame, pixel_shuffle)
 
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 
@@ -189,17 +190,52 @@ class Decoder(nn.Module):
         self.up_blocks = nn.ModuleList(blocks)
         self.head = Head(ch[0], 3 * cfg.patch_size ** 2, eps, skip=cfg.shortcuts)
 
-    def forward(self, z: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, cache: ConvCache | None = None, *, unpatch: bool = True) -> torch.Tensor:
+        """unpatch=False: the head's output [B, 3·p², F, H/p, W/p] before the pixel unfold
+        (`patches_to_uint8` unfolds it while it converts)."""
+        return self.back(self.front(z, cache), cache, unpatch=unpatch)
+
+    # The two parts of a pipelined streaming decode (`CausalVAE.decode_front` / `decode_back`):
+    # the low-resolution part (conv_in, mid block, the first level) and the rest.
+    FRONT_LEVELS = 1
+
+    def front(self, z: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
         x = self.conv_in(z, cache)
         if self.shortcuts:  # the latent, channels repeated, under the first convolution
             x = x + z.repeat_interleave(x.shape[1] // z.shape[1], dim=1)
         x = self.mid_block(x, cache)
-        for blk in self.up_blocks:
+        for blk in self.up_blocks[: self.FRONT_LEVELS]:
+            x = blk(x, cache)
+        return x
+
+    def back(self, x: torch.Tensor, cache: ConvCache | None = None, *, unpatch: bool = True) -> torch.Tensor:
+        for blk in self.up_blocks[self.FRONT_LEVELS :]:
             x = blk(x, cache)
         x = self.head(x, cache)
-        if self.patch_size > 1:
-            x = per_frame(lambda f: F.pixel_shuffle(f, self.patch_size), x)
+        if self.patch_size > 1 and unpatch:
+            x = per_frame(lambda f: pixel_shuffle(f, self.patch_size), x)
         return x
+
+    def is_back_layer(self, key: str) -> bool:
+        """Whether the cache entry `key` (a module name under the VAE) belongs to `back`."""
+        lvl = [f"decoder.up_blocks.{i}." for i in range(self.FRONT_LEVELS, len(self.up_blocks))]
+        return key.startswith(("decoder.head.", *lvl))
+
+
+def patches_to_uint8(x: torch.Tensor, patch: int = 1) -> torch.Tensor:
+    """Decoder output -> pictures: x [B, 3·p², F, h, w] (channel 4c + 2a + b... as
+    `F.pixel_shuffle` orders them: colour c, row phase a, column phase b, for p = 2) in [-1, 1] ->
+    uint8 [B, F, p·h, p·w, 3], the value round((clamp(x) + 1) · 127.5).
+
+    The same numbers as pixel_shuffle, clamp and conversion done one after the other, in one
+    float32 pass (in place) and one uint8 copy: a quarter of the passes over the frames
+    (≈ 22 against 39 ms for 24 frames of 256², one thread)."""
+    b, cp, f, h, w = x.shape
+    c = cp // (patch * patch)
+    u = x.to(torch.float32, copy=True).clamp_(-1.0, 1.0).add_(1.0).mul_(127.5).round_().to(torch.uint8)
+    # B, F, h, a, w, b, c; numpy's copy of this byte permutation is 2.5x torch's (6.6 / 17 ms)
+    u = u.cpu().numpy().reshape(b, c, patch, patch, f, h, w).transpose(0, 4, 5, 2, 6, 3, 1)
+    return torch.from_numpy(np.ascontiguousarray(u).reshape(b, f, patch * h, patch * w, c))
 
 
 # -- the VAE ----------------------------------------------------------------------------------------
@@ -276,6 +312,40 @@ class CausalVAE(nn.Module):
         x = self.decoder(self.post_quant_conv(z_chunk), cache)
         cache.chunks += 1
         return x.clamp(-1.0, 1.0) if clamp else x
+
+    def decode_step_frames(self, z_chunk: torch.Tensor, cache: ConvCache) -> torch.Tensor:
+        """`decode_step`'s frames as pictures: uint8 [B, F, 8h, 8w, 3] (`patches_to_uint8`),
+        what a publisher takes, without the float video in between."""
+        self._check_latent(z_chunk)
+        cache.bind("decode")
+        if self.decode_backend is not None:
+            out = self.decode_backend.decode_step(z_chunk, cache)
+            if out is not None:
+                cache.chunks += 1
+                return patches_to_uint8(out)
+        x = self.decoder(self.post_quant_conv(z_chunk), cache, unpatch=False)
+        cache.chunks += 1
+        return patches_to_uint8(x, self.decoder.patch_size)
+
+    # -- a streaming decode in two parts, for two threads ----------------------------------------
+    # Chunk k's `decode_back` can run while chunk k+1's `decode_front` does: the two parts use
+    # disjoint layers (`is_back_layer` tells their cache entries apart), and each part alone is
+    # the same computation as in `decode_step_frames`, so the frames are identical.
+    def decode_front(self, z_chunk: torch.Tensor, cache: ConvCache) -> torch.Tensor:
+        """The low-resolution part of `decode_step_frames` (eager): features for `decode_back`."""
+        self._check_latent(z_chunk)
+        cache.bind("decode")
+        return self.decoder.front(self.post_quant_conv(z_chunk), cache)
+
+    def decode_back(self, h: torch.Tensor, cache: ConvCache) -> torch.Tensor:
+        """The rest: `decode_front`'s features -> uint8 pictures [B, F, 8h, 8w, 3]."""
+        x = self.decoder.back(h, cache, unpatch=False)
+        cache.chunks += 1
+        return patches_to_uint8(x, self.decoder.patch_size)
+
+    def is_back_layer(self, key: str) -> bool:
+        """Whether cache entry `key` is written by `decode_back` (else by `decode_front`)."""
+        return self.decoder.is_back_layer(key)
 
     def encode_step(self, video_chunk: torch.Tensor,
                     cache: ConvCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,20 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     Under autocast, with gradients, off the CPU, or while torch.compile / torch.export trace it
     (`torch.compiler.is_compiling`: the compiler picks its own convolution kernels, and an
     exported graph needs the portable op): plain F.conv3d.
+
+    A 1×1×1 kernel (stride 1, no padding) is a matrix product over the channels, run as one
+    (`baddbmm`, on any device, under autocast and with gradients too; not while compiling): the
+    same sums, ≈ 1.8x faster than the convolution on the decoder's last level (16 -> 12 channels
+    over 24 frames of 128², 4.2 against 7.5 ms in bf16, one thread).
     """
+    if (not torch.compiler.is_compiling() and weight.shape[2:] == (1, 1, 1) and tuple(stride) == (1, 1, 1)
+            and tuple(padding) == (0, 0, 0)):
+        b, c = x.shape[:2]
+        co = weight.shape[0]
+        w = weight.reshape(1, co, c).expand(b, co, c)
+        y = (torch.bmm(w, x.reshape(b, c, -1)) if bias is None
+             else torch.baddbmm(bias.reshape(1, co, 1).expand(b, co, 1), w, x.reshape(b, c, -1)))
+        return y.view(b, co, *x.shape[2:])
     if (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and not torch.is_autocast_enabled("cpu")
@@ -73,7 +86,10 @@ class RMSNorm(nn.Module):
     `F.normalize(x, dim=1)`'s arithmetic, x / max(‖x‖, eps) · √C, with the norm written as
     √(Σx²) over channels: the library's norm kernel over a non-innermost dim was 1.3-2.5x slower in
     fp32 and up to 7x in bf16 on decoder shapes (the norms were 15-24 % of a decode chunk); the two
-    differ by float rounding (≤ 2e-7 relative in fp32). gamma and bias in one fused multiply-add."""
+    differ by float rounding (≤ 2e-7 relative in fp32). gamma and bias: one fused multiply-add in
+    fp32; in bf16 a multiply then an add (bf16 `addcmul` with per-channel operands is 3-4x slower
+    than the two: 15.5 against 4 ms on [1, 16, 24, 128, 128], one thread), which rounds y·gamma
+    once more (≤ 1 bf16 ulp of max(|y·gamma|, |result|))."""
 
     def __init__(self, channels: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -85,7 +101,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (1, -1) + (1,) * (x.dim() - 2)
         y = x * (self.scale / x.square().sum(1, keepdim=True).sqrt().clamp_min(self.eps))
-        return torch.addcmul(self.bias.view(shape).to(y.dtype), y, self.gamma.view(shape).to(y.dtype))
+        gamma, bias = self.gamma.view(shape).to(y.dtype), self.bias.view(shape).to(y.dtype)
+        if y.dtype == torch.float32:
+            return torch.addcmul(bias, y, gamma)
+        return y * gamma + bias
+
+
+def pixel_shuffle(x: torch.Tensor, r: int) -> torch.Tensor:
+    """`F.pixel_shuffle(x, r)` ([N, C·r², H, W] -> [N, C, r·H, r·W]) as a reshape, a permute and
+    one copy: the same values, ≈ 3.5x faster than the library kernel on the decoder's shapes
+    (4.2 against 15.3 ms for [24, 64, 64, 64] bf16, one thread)."""
+    n, crr, h, w = x.shape
+    c = crr // (r * r)
+    return x.reshape(n, c, r, r, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c, h * r, w * r)
 
 
 def per_frame(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +153,9 @@ class FrameAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def attend(f: torch.Tensor) -> torch.Tensor:  # f [N, C, H, W]
             n, c, h, w = f.shape
-            q, k, v = self.to_qkv(f).reshape(n, 3, c, h * w).transpose(2, 3).unbind(1)  # [N, HW, C]
+            # contiguous [N, HW, C] each: SDPA takes its fused (flash) CPU kernel only when the
+            # last dimension has stride 1, else the math path (3x slower here, N x HW x HW scores)
+            q, k, v = self.to_qkv(f).reshape(n, 3, c, h * w).transpose(2, 3).contiguous().unbind(1)
             o = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
             return self.proj(o.transpose(1, 2).reshape(n, c, h, w))
 
@@ -258,7 +288,7 @@ class Upsample(nn.Module):
             y = F.conv2d(f, w4.to(f.dtype), None if b4 is None else b4.to(f.dtype), padding=1)
             if self.shortcut:  # channels repeated to 4·cout, unfolded to 2×2 by the shuffle below
                 y = y + f.repeat_interleave(4 * cout // f.shape[1], dim=1)
-            return F.pixel_shuffle(y, 2)
+            return pixel_shuffle(y, 2)
 
         return per_frame(up, x)
 

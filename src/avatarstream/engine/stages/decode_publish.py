@@ -31,13 +31,13 @@ from avatarstream.cache.conv import ConvCache
 from avatarstream.engine.module import Module
 from avatarstream.engine.session import SessionState
 from avatarstream.engine.stage import Item, Stage
-from avatarstream.engine.worker import BackgroundWorker
+from avatarstream.engine.worker import BackgroundWorker, SplitWorker
+from avatarstream.models.vae import patches_to_uint8
 
 
 def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
     """[3, F, H, W] in [-1, 1] -> [F, H, W, 3] uint8."""
-    v = ((video.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
-    return v.permute(1, 2, 3, 0).contiguous().numpy()
+    return patches_to_uint8(video[None])[0].numpy()
 
 
 @dataclass
@@ -84,14 +84,54 @@ class DecodeJob:
             parts = hr.split([1, hr.shape[2] - 1], dim=2) if group[0].start == 0 and hr.shape[2] > 1 else (hr,)
             done = 0
             for part in parts:
-                frames = self.vae.call("decode_step", part, cache)
+                frames = self._decode(part, cache)  # uint8 [B, F, H, W, 3]
                 for i, e in enumerate(group):
-                    n = max(0, min(e.frames - done, frames.shape[2]))
+                    n = max(0, min(e.frames - done, frames.shape[1]))
                     if n:
-                        e.state.publisher.put_video(to_uint8_frames(frames[i, :, :n]), e.start + done, self.fps)
+                        e.state.publisher.put_video(frames[i, :n].numpy(), e.start + done, self.fps)
                         e.state.frames_published = e.start + done + n
-                done += frames.shape[2]
+                done += frames.shape[1]
             ConvCache.split(cache, caches)
+
+    # -- in two parts, on two threads (`SplitWorker`) -------------------------------------------
+    def splittable(self) -> bool:
+        """Whether this job can decode in two parts: a VAE that has them (ours, decoding
+        eagerly) and no stream's first chunk (that one is split for its first frame instead)."""
+        m = self.vae.model
+        return (hasattr(m, "decode_front") and getattr(m, "decode_backend", None) is None
+                and all(g[0].start > 0 for g in self.groups))
+
+    def run_front(self) -> list[torch.Tensor]:
+        """The low-resolution part of every group's decode: features for `run_back`."""
+        keys = self.vae.model.is_back_layer
+        out = []
+        for group in self.groups:
+            caches = [e.state.vae_cache for e in group]
+            cache = ConvCache.stack(caches, lambda k: not keys(k))
+            out.append(self.vae.call("decode_front", torch.cat([e.hr for e in group], 0), cache))
+            ConvCache.split(cache, caches, lambda k: not keys(k), count=False)
+        return out
+
+    def run_back(self, features: list[torch.Tensor]) -> None:
+        """The rest of every group's decode, then its frames published, groups in order."""
+        keys = self.vae.model.is_back_layer
+        for group, h in zip(self.groups, features):
+            caches = [e.state.vae_cache for e in group]
+            cache = ConvCache.stack(caches, keys)
+            frames = self.vae.call("decode_back", h, cache).cpu()
+            ConvCache.split(cache, caches, keys)
+            for i, e in enumerate(group):
+                n = max(0, min(e.frames, frames.shape[1]))
+                if n:
+                    e.state.publisher.put_video(frames[i, :n].numpy(), e.start, self.fps)
+                    e.state.frames_published = e.start + n
+
+    def _decode(self, z: torch.Tensor, cache: ConvCache) -> torch.Tensor:
+        """The next frames of the streams in `cache` as uint8 pictures [B, F, H, W, 3]: straight
+        from the VAE where it converts while it unfolds its pixel patches (ours), else its video."""
+        if hasattr(self.vae.model, "decode_step_frames"):
+            return self.vae.call("decode_step_frames", z, cache).cpu()
+        return patches_to_uint8(self.vae.call("decode_step", z, cache)).cpu()
 
 
 class DecodePublishStage(Stage):
@@ -102,7 +142,7 @@ class DecodePublishStage(Stage):
     def __init__(self, vae: Module, *, fps: int) -> None:
         super().__init__()
         self.vae, self.fps = vae, fps
-        self.worker: BackgroundWorker | None = None  # set by the executor: overlapped decode
+        self.worker: BackgroundWorker | SplitWorker | None = None  # set by the executor: overlapped decode
 
     def batch_key(self, rec, state):  # type: ignore[no-untyped-def]
         return "decode"  # one job per round; `DecodeJob` groups what decodes alike
@@ -128,7 +168,10 @@ class DecodePublishStage(Stage):
         if not job.groups:
             return
         if self.worker is not None and all(e.start > 0 for g in job.groups for e in g):
-            self.worker.submit(job.run, tag=job.states)
+            if isinstance(self.worker, SplitWorker) and job.splittable():
+                self.worker.submit_split(job.run_front, job.run_back, tag=job.states)
+            else:
+                self.worker.submit(job.run, tag=job.states)
             return
         if self.worker is not None:
             self.worker.wait()  # what is decoded here comes after what the thread still has
