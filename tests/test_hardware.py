@@ -76,8 +76,9 @@ def test_generation_threads_leave_the_decode_its_share(monkeypatch):
     assert g("prefix", True, cores=2) == 1 and g("interp", True, cores=8) == 4
     assert g("prefix", True, cores=1) == 1 and g("prefix", False, cores=2) == 2
     assert hardware.split_decode("prefix", True) and not hardware.split_decode("causal", True)
-    assert not hardware.split_decode("prefix", False)
+    assert not hardware.split_decode("prefix", False) and not hardware.split_decode("prefix", True, live=True)
     monkeypatch.setenv("AVATARSTREAM_SPLIT_DECODE", "0")
     assert g("prefix", True, cores=2) == 2 and not hardware.split_decode("interp", True)
     monkeypatch.setenv("AVATARSTREAM_SPLIT_DECODE", "1")
     assert hardware.split_decode("causal", True) and not hardware.split_decode("causal", False)
+    assert hardware.split_decode("prefix", True, live=True)

@@ -85,20 +85,23 @@ def resolve_bf16(setting: bool | str | None, device: str | torch.device = "cpu")
     return bool(setting)
 
 
-def split_decode(strategy: str, decode_overlap: bool) -> bool:
+def split_decode(strategy: str, decode_overlap: bool, *, live: bool = False) -> bool:
     """Whether `generate` decodes each chunk in two parts on two threads (`SplitWorker`: the
     VAE's low-resolution part of chunk k+1 beside the rest of chunk k, both beside the DiT), for
     the prefix and interp strategies with the overlapped decode. Measured on 2 AVX512-bf16 cores
     (bundled model, 256 px, `generate` rtf, runs alternated): split with one thread per part
     3.33-3.69, one decode thread with 2 intra-op threads (the previous default) 3.14-3.60, split
     with 2 threads 2.99-3.14. A causal block's decode is small beside its eight DiT passes, so
-    causal keeps one decode thread. `AVATARSTREAM_SPLIT_DECODE=1` / `=0` forces it."""
+    causal keeps one decode thread. Live sessions (`live`: the server's scheduler, whose chunks
+    are shorter and batched) keep one decode thread too: `bench sessions` on the same machine
+    kept 3 sessions in real time with it (2 intra-op threads) and 2 with the split (1 thread).
+    `AVATARSTREAM_SPLIT_DECODE=1` / `=0` forces it either way."""
     if not decode_overlap:
         return False
     forced = os.environ.get("AVATARSTREAM_SPLIT_DECODE", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
-    return strategy in ("prefix", "interp")
+    return not live and strategy in ("prefix", "interp")
 
 
 def generation_threads(strategy: str, decode_overlap: bool, cores: int | None = None) -> int:

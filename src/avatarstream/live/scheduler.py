@@ -112,13 +112,19 @@ class ChunkScheduler:
     def __init__(self, models: ModelSet, *, batching: bool = True, max_batch: int = 8,
                  capacity: MeasuredCapacity | None = None, max_lag_s: float = 1.0,
                  gather_s: float = 0.2, now: Callable[[], float] = time.monotonic,
-                 decode_overlap: bool = True, executor: Executor | None = None) -> None:
+                 decode_overlap: bool = True, executor: Executor | None = None,
+                 decode_split: bool | None = None) -> None:
         """executor: what runs the chunks' model stages (default: this process, `LocalExecutor`
-        over the engine's stages; tests give a scripted fake)."""
+        over the engine's stages; tests give a scripted fake). decode_split: the decode in two
+        parts on two threads (default: `hardware.split_decode`)."""
+        from avatarstream.hardware import split_decode
+
         self.models = models
+        if decode_split is None:
+            decode_split = split_decode(models.config.strategy, decode_overlap, live=True)
         self.executor = executor or LocalExecutor(
             default_stages(models, models.config), decode_overlap=decode_overlap, batching=batching,
-            max_batch=max_batch)
+            max_batch=max_batch, decode_split=decode_split)
         self.batching, self.gather_s, self.max_batch = batching, gather_s, max_batch
         self.capacity, self.max_lag_s, self.now = capacity, max_lag_s, now
         self.stats = SchedulerStats()
