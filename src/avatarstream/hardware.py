@@ -104,6 +104,19 @@ def split_decode(strategy: str, decode_overlap: bool, *, live: bool = False) -> 
     return not live and strategy in ("prefix", "interp")
 
 
+def parallel_history_pass(threads: int | None = None, cores: int | None = None) -> bool:
+    """Whether the causal strategy runs a step's extra history forward (`history_level` "next")
+    on a second thread beside the next step (`CausalDenoiser`): where a second team of the
+    generating thread's size fits in the cores (1 thread on 2 cores, the causal default there).
+    `AVATARSTREAM_PARALLEL_HISTORY=1` / `=0` forces it."""
+    forced = os.environ.get("AVATARSTREAM_PARALLEL_HISTORY", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    n = threads if threads is not None else torch.get_num_threads()
+    c = cores if cores is not None else (os.cpu_count() or 1)
+    return 2 * n <= c
+
+
 def generation_threads(strategy: str, decode_overlap: bool, cores: int | None = None) -> int:
     """Torch threads of the generating thread when the user sets none.
 

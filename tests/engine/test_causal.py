@@ -29,10 +29,11 @@ STEPS = 3
 
 
 def rollout(dit: VideoRefDiT, settings: CausalSettings, blocks: int, *, seed: int = 1,
-            record: bool = False):  # type: ignore[no-untyped-def]
+            record: bool = False, parallel: bool | None = None, sampler: str = "euler"):  # type: ignore[no-untyped-def]
     """Run `blocks` blocks of Algorithm 3 on random inputs (the same for the same seed).
     Returns (denoiser, per-block outputs, per-block records, per-block audio, sinks seen, text)."""
-    den = CausalDenoiser(Module("dit", dit), flow_sigmas(STEPS), settings)
+    den = CausalDenoiser(Module("dit", dit), flow_sigmas(STEPS), settings, parallel_history=parallel,
+                         sampler=sampler)
     ref, valid = reference()
     den.start(dit.encode_reference(ref, valid, torch.full((R,), settings.ref_t_position)))
     g = torch.Generator().manual_seed(seed)
@@ -121,6 +122,24 @@ def test_next_history_level_caches_each_step_output(dit):
     assert float((same[2][0] - nxt[2][0]).abs().max()) > 1e-3  # later blocks read other history
     with pytest.raises(ValueError, match="history_level"):
         CausalSettings(history_level="clean")
+
+
+@pytest.mark.parametrize("sampler", ["euler", "stochastic"])
+def test_parallel_history_pass_is_the_sequential_one(dit, sampler):
+    """history_level "next" with each step's extra forward on a thread of its own beside the next
+    step (`parallel_history`): every block's output and every cache equal the sequential run's,
+    bit for bit (tolerance 0: the same forwards on the same tensors, on another thread)."""
+    s = CausalSettings(kv_blocks=2, history_level="next")
+    seq = rollout(dit, s, 4, parallel=False, sampler=sampler)
+    par = rollout(dit, s, 4, parallel=True, sampler=sampler)
+    assert not seq[0].parallel_history and par[0].parallel_history
+    for (xa, ma), (xb, mb) in zip(seq[1], par[1]):
+        assert torch.equal(xa, xb) and torch.equal(ma, mb)
+    for j in range(STEPS):
+        for i in range(dit.config.depth):
+            assert all(torch.equal(a, b) for a, b in zip(seq[0].caches[j].layer(i), par[0].caches[j].layer(i)))
+    assert not CausalDenoiser(Module("dit", dit), flow_sigmas(STEPS), CausalSettings(),
+                              parallel_history=True).parallel_history  # "same": nothing to overlap
 
 
 def test_kv_cache_memory_is_constant_over_many_blocks(dit):

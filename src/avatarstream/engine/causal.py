@@ -27,12 +27,13 @@ object with `steps` = its share, so its output is the single-process output by c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from avatarstream.cache.kv import RollingKVCache
+from avatarstream.cache.kv import BlockKV, RollingKVCache
 from avatarstream.cache.reference import ReferenceCache
 from avatarstream.engine.denoiser import guidance_tensor, pack, unpack
 from avatarstream.engine.module import Module
@@ -68,6 +69,27 @@ class CausalSettings:
             raise ValueError(f"history_level must be one of {HISTORY_LEVELS}, got {self.history_level!r}")
 
 
+class _Pass:
+    """One call on a thread of its own, started at once; `join` waits and re-raises its error."""
+
+    def __init__(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller by join
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="avatarstream-history", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def step_generator(seed: int, block: int, step: int) -> torch.Generator:
     """Fresh-noise generator of (block, step) for the stochastic sampler: any process that runs
     that step of that block draws the same noise."""
@@ -79,7 +101,13 @@ class CausalDenoiser:
 
     def __init__(self, dit: Module, sigmas: torch.Tensor, settings: CausalSettings, *,
                  steps: Sequence[int] | None = None, sampler: str = "euler",
-                 overshoot: float = 0.2, seed: int = 0) -> None:
+                 overshoot: float = 0.2, seed: int = 0, parallel_history: bool | None = None) -> None:
+        """parallel_history (`history_level` "next"): run each step's extra forward (the K/V of
+        its output) on a thread of its own while the next step denoises. Both read the state
+        the step left and nothing the other writes (the extra pass reads step j's cache, the
+        next step step j+1's; a block's K/V is appended to step j's cache once the block is
+        done, before any later block reads it), so the result is the sequential one, bit for
+        bit. Default: `hardware.parallel_history_pass()`."""
         if sampler not in ("euler", "stochastic"):
             raise ValueError(f"unknown sampler {sampler!r}")
         self.dit, self.sigmas, self.settings = dit, sigmas, settings
@@ -90,6 +118,11 @@ class CausalDenoiser:
         self.sampler, self.overshoot, self.seed = sampler, overshoot, seed
         cfg = dit.model.config
         self.caches = {j: RollingKVCache(cfg.depth, settings.kv_blocks) for j in self.steps}
+        if parallel_history is None:
+            from avatarstream.hardware import parallel_history_pass
+
+            parallel_history = parallel_history_pass()
+        self.parallel_history = parallel_history and settings.history_level == "next"
         self.sink: SinkCache | None = None
         self.anchor: torch.Tensor | None = None
         self.blocks_done = 0
@@ -137,21 +170,25 @@ class CausalDenoiser:
         sink = self.sink.at(self.rolling_rope_position(int(positions[0])))
         b, tb = x.shape[0], x.shape[2]
         guidance = guidance_tensor(self.settings.guidance, b)
+        shape_x, shape_m = x.shape, m.shape
+
+        def forward(flat: torch.Tensor, sigma: torch.Tensor, cache: RollingKVCache,
+                    kv_out: list[BlockKV]):  # type: ignore[no-untyped-def]
+            xs, ms = unpack(flat, shape_x, shape_m)
+            cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
+                                anchor=self.anchor, guidance=guidance)
+            sig = torch.full((b, tb), float(sigma))
+            out, kv = self.dit.call("forward_causal_block", xs, sig, cond, sink, cache)
+            kv_out.append(kv)
+            return xs, ms, out
+
+        pending: list[tuple[RollingKVCache, list[BlockKV], _Pass | None]] = []
         for j in self.steps:
             cache = self.caches[j]
-            kv_out = []
+            kv_out: list[BlockKV] = []
 
-            def forward(flat: torch.Tensor, sigma: torch.Tensor):  # type: ignore[no-untyped-def]
-                xs, ms = unpack(flat, x.shape, m.shape)
-                cond = DiTCondition(motion=ms, audio=audio, text=text, text_mask=text_mask, t_pos=t_pos,
-                                    anchor=self.anchor, guidance=guidance)
-                sig = torch.full((b, tb), float(sigma))
-                out, kv = self.dit.call("forward_causal_block", xs, sig, cond, sink, cache)
-                kv_out.append(kv)
-                return xs, ms, out
-
-            def denoise(flat: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-                xs, ms, out = forward(flat, sigma)
+            def denoise(flat: torch.Tensor, sigma: torch.Tensor, cache=cache, kv_out=kv_out) -> torch.Tensor:  # type: ignore[no-untyped-def]
+                xs, ms, out = forward(flat, sigma, cache, kv_out)
                 v, mv = out.velocity.float(), out.motion_velocity.float()
                 if record is not None:
                     record.append((j, xs.clone(), ms.clone(), v.clone(), mv.clone()))
@@ -165,9 +202,17 @@ class CausalDenoiser:
                 state = sample_stochastic_euler(denoise, state, sig, overshoot=self.overshoot,
                                                 generator=step_generator(self.seed, block, j))
             x, m = unpack(state, x.shape, m.shape)
-            if self.settings.history_level == "next":  # the K/V of the step's output, at σ_{j+1}
-                forward(state, sig[1])
-            cache.append(kv_out[0 if self.settings.history_level == "same" else -1], int(positions[0]))
+            if self.settings.history_level == "same":
+                cache.append(kv_out[0], int(positions[0]))
+            elif self.parallel_history and j != self.steps[-1]:  # beside the next step
+                pending.append((cache, kv_out, _Pass(forward, state, sig[1], cache, kv_out)))
+            else:  # the K/V of the step's output, at σ_{j+1}
+                forward(state, sig[1], cache, kv_out)
+                pending.append((cache, kv_out, None))
+        for cache, kv_out, run in pending:
+            if run is not None:
+                run.join()
+            cache.append(kv_out[-1], int(positions[0]))
         self.blocks_done += 1
         return x, m
 
