@@ -82,3 +82,15 @@ def test_generation_threads_leave_the_decode_its_share(monkeypatch):
     monkeypatch.setenv("AVATARSTREAM_SPLIT_DECODE", "1")
     assert hardware.split_decode("causal", True) and not hardware.split_decode("causal", False)
     assert hardware.split_decode("prefix", True, live=True)
+
+
+def test_parallel_history_pass_where_a_second_team_fits(monkeypatch):
+    """The causal extra forward on a second thread where two teams of the generating thread's
+    size fit in the cores (1 thread on 2 cores), forced either way by the environment."""
+    monkeypatch.delenv("AVATARSTREAM_PARALLEL_HISTORY", raising=False)
+    p = hardware.parallel_history_pass
+    assert p(1, 2) and p(4, 8) and not p(2, 2) and not p(7, 8) and not p(1, 1)
+    monkeypatch.setenv("AVATARSTREAM_PARALLEL_HISTORY", "0")
+    assert not p(1, 2)
+    monkeypatch.setenv("AVATARSTREAM_PARALLEL_HISTORY", "1")
+    assert p(2, 2)
