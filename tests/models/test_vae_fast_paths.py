@@ -160,3 +160,32 @@ def test_frame_attention_takes_the_fused_kernel_and_matches_softmax():
         o = attn.proj(o.transpose(1, 2).reshape(n, c, h, w))
         ref = x + o.reshape(2, 3, c, h, w).transpose(1, 2)
     assert (got - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_front_then_back_equals_decode_step_frames(offload):
+    """The two parts of the split decode (`decode_front` then `decode_back`, the second part of
+    chunk k after the first part of chunk k+1, as two threads run them) give
+    `decode_step_frames`' pictures exactly, also with the decoder's levels offloaded block by
+    block (an offloaded ModuleList is iterated, never sliced)."""
+    from avatarstream.engine.offload import offload_blocks
+
+    torch.manual_seed(0)
+    vae = CausalVAE(VAEConfig.tiny()).eval()
+    z = torch.randn(2, vae.cfg.z_channels, 7, 8, 8)
+    parts = (z[:, :, :1], z[:, :, 1:3], z[:, :, 3:5], z[:, :, 5:])
+    with torch.inference_mode():
+        c = vae.new_cache()
+        want = [vae.decode_step_frames(p, c) for p in parts]
+        if offload:
+            offload_blocks(vae.decoder, "cpu", attr="up_blocks")
+        c = vae.new_cache()
+        got = [vae.decode_step_frames(parts[0], c)]
+        assert any(vae.is_back_layer(k) for k in c.frames) and not all(vae.is_back_layer(k) for k in c.frames)
+        h = vae.decode_front(parts[1], c)
+        for p in parts[2:]:
+            h_next = vae.decode_front(p, c)  # chunk k+1's front before chunk k's back
+            got.append(vae.decode_back(h, c))
+            h = h_next
+        got.append(vae.decode_back(h, c))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -8,7 +8,8 @@ A renderer writes and signs each video as `generate` does, through the same code
 atomic, locked file sink (`publish.base.generate_outputs`: written beside `out`, signed with the
 content credentials, renamed over `out` when complete) ended by `publish.base.ending`, and the
 engine's `Pipeline` (its invisible watermark in every frame). On a CPU each actor gets
-cores // workers torch threads; with `device="cuda"` each asks Ray for one GPU (`num_gpus=1`), so
+cores // workers cores, and each render the torch threads `generate` would take on them
+(`hardware.generation_threads`); with `device="cuda"` each asks Ray for one GPU (`num_gpus=1`), so
 Ray places one actor per GPU of the cluster. On a CPU, Ray Data fuses the speech step into the
 renderer actors (same resources: moving speech between processes would gain nothing there); with
 GPUs it stays a stage of CPU tasks of its own, running ahead of the renders.
@@ -82,8 +83,10 @@ class Renderer:
         self.out_dir = Path(out_dir)
         self.device = device
         self.retries = retries
-        if device == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
+        # this actor's cores; each render sets its threads from them as `generate` does
+        self.cores = max(1, (os.cpu_count() or 1) // max(1, workers)) if device == "cpu" else None
+        if self.cores is not None:
+            torch.set_num_threads(self.cores)
         self.models: Any = None  # the ModelSet of the last model asked for
         self.lora: str | None = None  # an adapter merged into every model loaded (the server's --lora)
         self.credentials: dict[str, Any] = {}
@@ -167,6 +170,12 @@ class Renderer:
         from avatarstream.publish.base import ending, generate_outputs
 
         cfg = models.config
+        if self.cores is not None:  # the split decode's threads, or the causal decode's core
+            import torch
+
+            from avatarstream.hardware import generation_threads
+
+            torch.set_num_threads(generation_threads(cfg.strategy, cfg.decode_overlap, cores=self.cores))
         if models.name not in self.credentials:
             self.credentials[models.name] = credentials_for(models.name)
         path.parent.mkdir(parents=True, exist_ok=True)

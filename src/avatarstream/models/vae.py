@@ -193,28 +193,41 @@ class Decoder(nn.Module):
     def forward(self, z: torch.Tensor, cache: ConvCache | None = None, *, unpatch: bool = True) -> torch.Tensor:
         """unpatch=False: the head's output [B, 3·p², F, H/p, W/p] before the pixel unfold
         (`patches_to_uint8` unfolds it while it converts)."""
-        return self.back(self.front(z, cache), cache, unpatch=unpatch)
+        x = self._stem(z, cache)
+        for blk in self.up_blocks:  # iterated whole: block offload onloads each just in time
+            x = blk(x, cache)
+        return self._tail(x, cache, unpatch)
 
-    # The two parts of a pipelined streaming decode (`CausalVAE.decode_front` / `decode_back`):
-    # the low-resolution part (conv_in, mid block, the first level) and the rest.
-    FRONT_LEVELS = 1
-
-    def front(self, z: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
+    def _stem(self, z: torch.Tensor, cache: ConvCache | None) -> torch.Tensor:
         x = self.conv_in(z, cache)
         if self.shortcuts:  # the latent, channels repeated, under the first convolution
             x = x + z.repeat_interleave(x.shape[1] // z.shape[1], dim=1)
-        x = self.mid_block(x, cache)
-        for blk in self.up_blocks[: self.FRONT_LEVELS]:
-            x = blk(x, cache)
-        return x
+        return self.mid_block(x, cache)
 
-    def back(self, x: torch.Tensor, cache: ConvCache | None = None, *, unpatch: bool = True) -> torch.Tensor:
-        for blk in self.up_blocks[self.FRONT_LEVELS :]:
-            x = blk(x, cache)
+    def _tail(self, x: torch.Tensor, cache: ConvCache | None, unpatch: bool) -> torch.Tensor:
         x = self.head(x, cache)
         if self.patch_size > 1 and unpatch:
             x = per_frame(lambda f: pixel_shuffle(f, self.patch_size), x)
         return x
+
+    # The two parts of a pipelined streaming decode (`CausalVAE.decode_front` / `decode_back`):
+    # the low-resolution part (conv_in, mid block, the first level) and the rest. The levels are
+    # iterated, never sliced (an offloaded `up_blocks` is a ModuleList that onloads as it goes).
+    FRONT_LEVELS = 1
+
+    def front(self, z: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
+        x = self._stem(z, cache)
+        for i, blk in enumerate(self.up_blocks):
+            if i == self.FRONT_LEVELS:
+                break
+            x = blk(x, cache)
+        return x
+
+    def back(self, x: torch.Tensor, cache: ConvCache | None = None, *, unpatch: bool = True) -> torch.Tensor:
+        for i, blk in enumerate(self.up_blocks):
+            if i >= self.FRONT_LEVELS:
+                x = blk(x, cache)
+        return self._tail(x, cache, unpatch)
 
     def is_back_layer(self, key: str) -> bool:
         """Whether the cache entry `key` (a module name under the VAE) belongs to `back`."""
