@@ -78,6 +78,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     dt = x.dtype
     xf = x.float().unflatten(-1, (-1, 2))  # [B, H, N, hd/2, 2]: pairs (x1, x2) = x1 + i·x2
+    if torch.compiler.is_compiling():  # inductor has no complex kernels; it fuses the real form
+        x1, x2 = xf[..., 0], xf[..., 1]
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(dt)
     if xf.stride(-1) != 1 or xf.storage_offset() % 2 or any(s % 2 for s in xf.stride()[:-1]):
         xf = xf.contiguous()
     cis = torch.complex(cos.to(x.device, torch.float32), sin.to(x.device, torch.float32))
