@@ -85,11 +85,7 @@ class DecodeJob:
             done = 0
             for part in parts:
                 frames = self._decode(part, cache)  # uint8 [B, F, H, W, 3]
-                for i, e in enumerate(group):
-                    n = max(0, min(e.frames - done, frames.shape[1]))
-                    if n:
-                        e.state.publisher.put_video(frames[i, :n].numpy(), e.start + done, self.fps)
-                        e.state.frames_published = e.start + done + n
+                self._publish(group, frames, done)
                 done += frames.shape[1]
             ConvCache.split(cache, caches)
 
@@ -120,11 +116,16 @@ class DecodeJob:
             cache = ConvCache.stack(caches, keys)
             frames = self.vae.call("decode_back", h, cache).cpu()
             ConvCache.split(cache, caches, keys)
-            for i, e in enumerate(group):
-                n = max(0, min(e.frames, frames.shape[1]))
-                if n:
-                    e.state.publisher.put_video(frames[i, :n].numpy(), e.start, self.fps)
-                    e.state.frames_published = e.start + n
+            self._publish(group, frames, 0)
+
+    def _publish(self, group: list[_Entry], frames: torch.Tensor, done: int) -> None:
+        """Row i of `frames` (uint8 [B, F, H, W, 3]) to entry i's session: the frames after the
+        `done` already published of the entry, up to its count (past the audio: dropped)."""
+        for i, e in enumerate(group):
+            n = max(0, min(e.frames - done, frames.shape[1]))
+            if n:
+                e.state.publisher.put_video(frames[i, :n].numpy(), e.start + done, self.fps)
+                e.state.frames_published = e.start + done + n
 
     def _decode(self, z: torch.Tensor, cache: ConvCache) -> torch.Tensor:
         """The next frames of the streams in `cache` as uint8 pictures [B, F, H, W, 3]: straight
