@@ -190,13 +190,11 @@ class Decoder(nn.Module):
         self.up_blocks = nn.ModuleList(blocks)
         self.head = Head(ch[0], 3 * cfg.patch_size ** 2, eps, skip=cfg.shortcuts)
 
-    def forward(self, z: torch.Tensor, cache: ConvCache | None = None, *, unpatch: bool = True) -> torch.Tensor:
-        """unpatch=False: the head's output [B, 3·p², F, H/p, W/p] before the pixel unfold
-        (`patches_to_uint8` unfolds it while it converts)."""
+    def forward(self, z: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
         x = self._stem(z, cache)
         for blk in self.up_blocks:  # iterated whole: block offload onloads each just in time
             x = blk(x, cache)
-        return self._tail(x, cache, unpatch)
+        return self._tail(x, cache, unpatch=True)
 
     def _stem(self, z: torch.Tensor, cache: ConvCache | None) -> torch.Tensor:
         x = self.conv_in(z, cache)
@@ -223,11 +221,13 @@ class Decoder(nn.Module):
             x = blk(x, cache)
         return x
 
-    def back(self, x: torch.Tensor, cache: ConvCache | None = None, *, unpatch: bool = True) -> torch.Tensor:
+    def back(self, x: torch.Tensor, cache: ConvCache | None = None) -> torch.Tensor:
+        """The rest, up to the head's output [B, 3·p², F, H/p, W/p] before the pixel unfold
+        (`patches_to_uint8` unfolds it while it converts)."""
         for i, blk in enumerate(self.up_blocks):
             if i >= self.FRONT_LEVELS:
                 x = blk(x, cache)
-        return self._tail(x, cache, unpatch)
+        return self._tail(x, cache, unpatch=False)
 
     def is_back_layer(self, key: str) -> bool:
         """Whether the cache entry `key` (a module name under the VAE) belongs to `back`."""
@@ -329,16 +329,14 @@ class CausalVAE(nn.Module):
     def decode_step_frames(self, z_chunk: torch.Tensor, cache: ConvCache) -> torch.Tensor:
         """`decode_step`'s frames as pictures: uint8 [B, F, 8h, 8w, 3] (`patches_to_uint8`),
         what a publisher takes, without the float video in between."""
-        self._check_latent(z_chunk)
-        cache.bind("decode")
         if self.decode_backend is not None:
+            self._check_latent(z_chunk)
+            cache.bind("decode")
             out = self.decode_backend.decode_step(z_chunk, cache)
             if out is not None:
                 cache.chunks += 1
                 return patches_to_uint8(out)
-        x = self.decoder(self.post_quant_conv(z_chunk), cache, unpatch=False)
-        cache.chunks += 1
-        return patches_to_uint8(x, self.decoder.patch_size)
+        return self.decode_back(self.decode_front(z_chunk, cache), cache)
 
     # -- a streaming decode in two parts, for two threads ----------------------------------------
     # Chunk k's `decode_back` can run while chunk k+1's `decode_front` does: the two parts use
@@ -352,7 +350,7 @@ class CausalVAE(nn.Module):
 
     def decode_back(self, h: torch.Tensor, cache: ConvCache) -> torch.Tensor:
         """The rest: `decode_front`'s features -> uint8 pictures [B, F, 8h, 8w, 3]."""
-        x = self.decoder.back(h, cache, unpatch=False)
+        x = self.decoder.back(h, cache)
         cache.chunks += 1
         return patches_to_uint8(x, self.decoder.patch_size)
 
